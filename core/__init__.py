@@ -1,0 +1,6 @@
+"""Shared library: curvature capture, Kronecker factors, inversion, preconditioners, distribution."""
+
+from core.config import ConfigError, KFACConfig
+from core.preconditioner import KFACPreconditioner
+
+__all__ = ["ConfigError", "KFACConfig", "KFACPreconditioner"]

@@ -1,0 +1,61 @@
+"""Curvature capture: a forward hook on the module and a hook on its output tensor.
+
+The output-tensor hook (rather than ``register_full_backward_hook``) keeps working when an
+in-place op (``ReLU(inplace=True)``) rewrites the output: a tensor hook registered before the
+in-place op receives the gradient with respect to the layer's own output. A module called several
+times in one forward pass gets one input and one gradient callback per call; the callbacks
+accumulate, so such a module is supported (its factors average over the calls).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+
+class CaptureHooks:
+    """Hooks that forward a module's inputs and output gradients to callbacks.
+
+    Capture happens only when ``enabled()`` is true, the module is in training mode and autograd
+    is recording, so evaluation passes never touch the curvature statistics.
+
+    Args:
+        module: The layer to watch.
+        on_input: Called with the (detached) first positional input of each forward call.
+        on_grad_output: Called with the (detached) gradient of each call's output.
+        enabled: Whether to capture the current forward/backward pass.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        on_input: Callable[[Tensor], None],
+        on_grad_output: Callable[[Tensor], None],
+        enabled: Callable[[], bool],
+    ) -> None:
+        self._on_input = on_input
+        self._on_grad_output = on_grad_output
+        self._enabled = enabled
+        self._handle: RemovableHandle = module.register_forward_hook(self._forward_hook)
+
+    def _forward_hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if not (module.training and torch.is_grad_enabled() and self._enabled()):
+            return
+        if not isinstance(output, Tensor):
+            raise TypeError(
+                f"{type(module).__name__} returned {type(output).__name__}; curvature capture "
+                "needs a single output tensor (skip this layer with skip_layers)"
+            )
+        self._on_input(inputs[0].detach())
+        if output.requires_grad:
+            output.register_hook(self._grad_hook)
+
+    def _grad_hook(self, grad: Tensor) -> None:
+        self._on_grad_output(grad.detach())
+
+    def remove(self) -> None:
+        """Detach the hooks from the module."""
+        self._handle.remove()

@@ -1,0 +1,203 @@
+"""Typed, validated configuration of the K-FAC preconditioner.
+
+Every field is checked at construction; a bad value raises :class:`ConfigError` naming the field,
+the value and what is allowed, so a typo in a long run's config fails before any compute is spent.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from torch import nn
+
+from core.hyper import Schedulable
+
+INVERSE_METHODS = ("eigen", "inverse", "cholesky")
+DAMPING_SPLITS = ("full", "pi")
+FACTOR_SCALINGS = ("kaisa", "kfc", "dpkfac")
+STRATEGIES = ("d-kfac", "comm-opt", "hybrid-opt", "mem-opt", "mpd-kfac", "osawa", "dp-kfac")
+STRATEGY_ALIASES = {"mpd-kfac": "mem-opt"}
+ASSIGNMENT_POLICIES = ("greedy", "round-robin")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the allowed values."""
+
+    def __init__(self, field_name: str, value: Any, allowed: str) -> None:
+        super().__init__(f"invalid {field_name}={value!r}: expected {allowed}")
+        self.field_name = field_name
+        self.value = value
+        self.allowed = allowed
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def check_schedulable(
+    name: str,
+    value: Any,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    integer: bool = False,
+) -> None:
+    """Check a constant-or-callable hyper-parameter; callables are checked when evaluated.
+
+    Raises:
+        ConfigError: if ``value`` is neither callable nor a finite number inside the range.
+    """
+    if callable(value):
+        return
+    lo = "[" if low_inclusive else "("
+    hi = "]" if high_inclusive else ")"
+    kind = "an integer" if integer else "a number"
+    allowed = f"{kind} in {lo}{low}, {high}{hi} or a callable of the step"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(name, value, allowed)
+    if integer and not isinstance(value, int):
+        raise ConfigError(name, value, allowed)
+    if math.isnan(value):
+        raise ConfigError(name, value, allowed)
+    above = value > low if not low_inclusive else value >= low
+    below = value < high if not high_inclusive else value <= high
+    if not (above and below):
+        raise ConfigError(name, value, allowed)
+
+
+def check_scheduled_value(
+    name: str, value: float, *, low: float, high: float = math.inf, integer: bool = False
+) -> None:
+    """Check the value a callable hyper-parameter returned at some step."""
+    check_schedulable(name, value, low=low, high=high, integer=integer)
+
+
+def check_skip_layers(value: Any) -> None:
+    """``skip_layers`` is a sequence of name regexes (str) and module classes."""
+    allowed = "a sequence of module-name regexes (str) and nn.Module subclasses"
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ConfigError("skip_layers", value, allowed)
+    for item in value:
+        if isinstance(item, str):
+            try:
+                re.compile(item)
+            except re.error as err:
+                raise ConfigError("skip_layers", item, f"a valid regex ({err})") from None
+        elif not (isinstance(item, type) and issubclass(item, nn.Module)):
+            raise ConfigError("skip_layers", item, allowed)
+
+
+@dataclass(kw_only=True)
+class KFACConfig:
+    """All options of :class:`core.KFACPreconditioner`; see KFAC_MATH.md for each formula.
+
+    Attributes:
+        damping: Tikhonov damping λ (number or callable of the step), > 0.
+        factor_decay: weight of the old running average α in [0, 1); the first update sets F.
+        factor_update_steps: update the factors every this many steps (int >= 1 or callable).
+        inv_update_steps: recompute inverses every this many steps (int >= 1 or callable).
+        inverse_method: "eigen", "inverse" or "cholesky".
+        damping_split: "full" (λ on each factor) or "pi" (trace-norm π split); not for "eigen".
+        factor_scaling: "kaisa", "kfc" or "dpkfac" (the code base whose damping values are used).
+        kl_clip: KL-clip κ > 0, or None to disable.
+        lr: learning rate used only by the KL clip (number or callable).
+        skip_layers: module-name regexes or module classes left first-order.
+        strategy: distribution strategy (see KFAC_MATH.md "Distribution").
+        grad_worker_fraction: fraction f of ranks that precondition each layer ("hybrid-opt").
+        assignment: "greedy" (cost-balanced, KAISA) or "round-robin" (DP-KFAC code).
+        colocate_factors: keep a layer's A and G inversions on the same rank.
+        accumulation_steps: micro-batches per step; the loss is assumed divided by it.
+        factor_dtype: dtype of stored factors ("float32" or "float64").
+        inverse_dtype: dtype of decompositions and inverses ("float32" or "float64").
+        symmetry_aware: send packed upper triangles of symmetric factors.
+        comm_dtype: dtype on the wire for factors and inverses (None = storage dtype).
+    """
+
+    damping: Schedulable[float] = 1e-3
+    factor_decay: Schedulable[float] = 0.95
+    factor_update_steps: Schedulable[int] = 1
+    inv_update_steps: Schedulable[int] = 1
+    inverse_method: str = "eigen"
+    damping_split: str = "full"
+    factor_scaling: str = "kaisa"
+    kl_clip: Schedulable[float] | None = 1e-3
+    lr: Schedulable[float] = 0.1
+    skip_layers: Sequence[str | type[nn.Module]] = field(default_factory=tuple)
+    strategy: str = "comm-opt"
+    grad_worker_fraction: float | None = None
+    assignment: str = "greedy"
+    colocate_factors: bool = True
+    accumulation_steps: int = 1
+    factor_dtype: str = "float32"
+    inverse_dtype: str = "float32"
+    symmetry_aware: bool = False
+    comm_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        check_schedulable("damping", self.damping, low=0.0, low_inclusive=False)
+        check_schedulable("factor_decay", self.factor_decay, low=0.0, high=1.0,
+                          high_inclusive=False)
+        check_schedulable("factor_update_steps", self.factor_update_steps, low=1, integer=True)
+        check_schedulable("inv_update_steps", self.inv_update_steps, low=1, integer=True)
+        check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
+        check_choice("damping_split", self.damping_split, DAMPING_SPLITS)
+        if self.inverse_method == "eigen" and self.damping_split != "full":
+            raise ConfigError(
+                "damping_split", self.damping_split,
+                "'full' with inverse_method='eigen' (the eigen path damps the eigenvalue "
+                "products; use inverse_method='inverse' or 'cholesky' for 'pi')",
+            )
+        check_choice("factor_scaling", self.factor_scaling, FACTOR_SCALINGS)
+        if self.kl_clip is not None:
+            check_schedulable("kl_clip", self.kl_clip, low=0.0, low_inclusive=False)
+        check_schedulable("lr", self.lr, low=0.0)
+        check_skip_layers(self.skip_layers)
+        check_choice("strategy", self.strategy, STRATEGIES)
+        if self.grad_worker_fraction is not None:
+            check_schedulable("grad_worker_fraction", self.grad_worker_fraction, low=0.0,
+                              high=1.0, low_inclusive=False)
+            if callable(self.grad_worker_fraction):
+                raise ConfigError("grad_worker_fraction", self.grad_worker_fraction,
+                                  "a number in (0, 1]")
+        if self.strategy == "hybrid-opt" and self.grad_worker_fraction is None:
+            raise ConfigError("grad_worker_fraction", None,
+                              "a number in (0, 1] when strategy='hybrid-opt'")
+        check_choice("assignment", self.assignment, ASSIGNMENT_POLICIES)
+        if not isinstance(self.colocate_factors, bool):
+            raise ConfigError("colocate_factors", self.colocate_factors, "True or False")
+        check_schedulable("accumulation_steps", self.accumulation_steps, low=1, integer=True)
+        if callable(self.accumulation_steps):
+            raise ConfigError("accumulation_steps", self.accumulation_steps, "an integer >= 1")
+        check_choice("factor_dtype", self.factor_dtype, ("float32", "float64"))
+        check_choice("inverse_dtype", self.inverse_dtype, ("float32", "float64"))
+        if not isinstance(self.symmetry_aware, bool):
+            raise ConfigError("symmetry_aware", self.symmetry_aware, "True or False")
+        if self.comm_dtype is not None:
+            check_choice("comm_dtype", self.comm_dtype,
+                         ("float16", "bfloat16", "float32", "float64"))
+
+    @property
+    def canonical_strategy(self) -> str:
+        """The strategy name with aliases resolved (``mpd-kfac`` is ``mem-opt``)."""
+        return STRATEGY_ALIASES.get(self.strategy, self.strategy)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of all configuration fields, for building configs from keyword arguments."""
+        return tuple(f.name for f in fields(cls))
+
+
+def resolve_interval(name: str, value: Schedulable[int], step: int) -> int:
+    """Evaluate an update interval at ``step`` and check the result is an integer >= 1."""
+    result = value(step) if callable(value) else value
+    check_scheduled_value(name, result, low=1, integer=True)
+    return result
+

@@ -1,0 +1,147 @@
+"""Inversion of damped Kronecker factors and the preconditioning products.
+
+Three methods (KFAC_MATH.md "Inversion and damping"):
+
+* ``eigen``: ``P = Q_G [(Q_Gᵀ ∇W̄ Q_A) ⊘ (d_G d_Aᵀ + λ)] Q_Aᵀ = (G ⊗ A + λI)⁻¹ vec ∇W̄``;
+  the damping enters at preconditioning time, so it can change without a new decomposition.
+* ``inverse`` / ``cholesky``: ``P = (G + λ_G I)⁻¹ ∇W̄ (A + λ_A I)⁻¹`` with the damping split
+  ``full`` (``λ_A = λ_G = λ``) or ``pi`` (``λ_A = π√λ``, ``λ_G = √λ/π``).
+
+Failure policy: a decomposition that raises or returns non-finite values is retried in fp64; if
+that fails too, :class:`DecompositionError` is raised and the caller keeps its last good state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class DecompositionError(RuntimeError):
+    """A factor could not be decomposed in the requested dtype nor in fp64."""
+
+
+@dataclass
+class EigenState:
+    """Eigenbases and clamped eigenvalues of ``A`` and ``G``."""
+
+    qa: Tensor
+    da: Tensor
+    qg: Tensor
+    dg: Tensor
+
+    def tensors(self) -> list[Tensor]:
+        return [self.qa, self.da, self.qg, self.dg]
+
+
+@dataclass
+class InverseState:
+    """Damped inverses ``(A + λ_A I)⁻¹`` and ``(G + λ_G I)⁻¹``."""
+
+    a_inv: Tensor
+    g_inv: Tensor
+
+    def tensors(self) -> list[Tensor]:
+        return [self.a_inv, self.g_inv]
+
+
+SecondOrderState = EigenState | InverseState
+
+
+def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matrix: Tensor,
+                     dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """Run ``fn`` in ``dtype``; on an error or non-finite output, once more in fp64."""
+    errors = []
+    for attempt in dict.fromkeys([dtype, torch.float64]):
+        try:
+            out = fn(matrix.to(attempt))
+        except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
+            errors.append(f"{attempt}: {err}")
+            continue
+        if all(torch.isfinite(t).all() for t in out):
+            return tuple(t.to(dtype) for t in out)
+        errors.append(f"{attempt}: non-finite result")
+    raise DecompositionError(f"{name} failed ({'; '.join(errors)})")
+
+
+def eigen_decompose(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Eigenbasis and non-negative eigenvalues of a symmetric factor."""
+    if not torch.isfinite(factor).all():
+        raise DecompositionError("eigh failed: the factor has non-finite entries")
+
+    def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
+        d, q = torch.linalg.eigh(m)
+        return q, d.clamp_(min=0.0)
+
+    q, d = _with_fp64_retry("eigh", eigh, factor, dtype)
+    return q, d
+
+
+def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype) -> Tensor:
+    """``(F + shift·I)⁻¹`` by ``torch.linalg.inv`` (``"inverse"``) or Cholesky (``"cholesky"``)."""
+    if not torch.isfinite(factor).all():
+        raise DecompositionError(f"{method} failed: the factor has non-finite entries")
+
+    def invert(m: Tensor) -> tuple[Tensor]:
+        damped = m + shift * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+        if method == "cholesky":
+            chol, info = torch.linalg.cholesky_ex(damped)
+            if int(info) != 0:
+                raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
+            return (torch.cholesky_inverse(chol),)
+        return (torch.linalg.inv(damped),)
+
+    (inv,) = _with_fp64_retry(method, invert, factor, dtype)
+    return (inv + inv.T) / 2
+
+
+def pi_split(a: Tensor, g: Tensor) -> float:
+    """``π = sqrt((tr A / dim A) / (tr G / dim G))`` (Martens & Grosse's trace-norm split)."""
+    a_avg = float(torch.trace(a)) / a.shape[0]
+    g_avg = float(torch.trace(g)) / g.shape[0]
+    if a_avg <= 0 or g_avg <= 0 or not math.isfinite(a_avg / g_avg):
+        return 1.0
+    return math.sqrt(a_avg / g_avg)
+
+
+def factor_shifts(a: Tensor, g: Tensor, damping: float, split: str) -> tuple[float, float]:
+    """Damping added to ``A`` and to ``G`` under ``split`` (``"full"`` or ``"pi"``)."""
+    if split == "full":
+        return damping, damping
+    pi = pi_split(a, g)
+    root = math.sqrt(damping)
+    return pi * root, root / pi
+
+
+def compute_state(a: Tensor, g: Tensor, *, method: str, damping: float, split: str,
+                  dtype: torch.dtype) -> SecondOrderState:
+    """Decompose or invert both factors of one layer."""
+    if method == "eigen":
+        qa, da = eigen_decompose(a, dtype)
+        qg, dg = eigen_decompose(g, dtype)
+        return EigenState(qa, da, qg, dg)
+    shift_a, shift_g = factor_shifts(a, g, damping, split)
+    return InverseState(damped_inverse(a, shift_a, method, dtype),
+                        damped_inverse(g, shift_g, method, dtype))
+
+
+def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tensor:
+    """The preconditioned gradient matrix ``P`` of ``∇W̄`` (shape ``(g_dim, a_dim)``)."""
+    grad = grad.to(state.tensors()[0].dtype)
+    if isinstance(state, EigenState):
+        rotated = state.qg.T @ grad @ state.qa
+        rotated /= torch.outer(state.dg, state.da).add_(damping)
+        return state.qg @ rotated @ state.qa.T
+    return state.g_inv @ grad @ state.a_inv
+
+
+def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
+    """``ν = min(1, sqrt(κ / |Σ (P ⊙ ∇W̄) · lr²|))``; 1 when the sum is zero."""
+    vg = abs(products * lr * lr)
+    if vg == 0.0 or not math.isfinite(vg):
+        return 1.0
+    return min(1.0, math.sqrt(kl_clip / vg))

@@ -1,0 +1,188 @@
+"""One preconditioned layer: its running factors, its inverse state and its failure counters.
+
+A :class:`KFACLayer` knows nothing about ranks; the distribution strategy decides which of its
+methods run on which rank and moves its tensors between ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from core.factors import RunningFactor, a_factor, g_factor
+from core.inverse import (
+    DecompositionError,
+    EigenState,
+    InverseState,
+    SecondOrderState,
+    compute_state,
+    precondition,
+)
+from core.layers import LayerHelper
+
+
+class KFACLayer:
+    """Factors and second-order state of one module.
+
+    Args:
+        name: The module's qualified name in the model.
+        helper: The layer-type helper that reads rows and gradients.
+        scaling: Factor scaling convention.
+        factor_dtype: Storage dtype of the factors.
+        grad_multiplier: Returns the factor by which captured output gradients are multiplied
+            (accumulation steps over the AMP loss scale), read at capture time.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        helper: LayerHelper,
+        *,
+        scaling: str,
+        factor_dtype: torch.dtype,
+        grad_multiplier: Callable[[], float],
+    ) -> None:
+        self.name = name
+        self.helper = helper
+        self.scaling = scaling
+        self.factor_dtype = factor_dtype
+        self.grad_multiplier = grad_multiplier
+        self.a = RunningFactor()
+        self.g = RunningFactor()
+        self.batch_a: Tensor | None = None
+        self.batch_g: Tensor | None = None
+        self.state: SecondOrderState | None = None
+        self.decomposition_failures = 0
+        self.nonfinite_factor_skips = 0
+
+    @property
+    def a_dim(self) -> int:
+        return self.helper.a_dim
+
+    @property
+    def g_dim(self) -> int:
+        return self.helper.g_dim
+
+    # Capture callbacks -----------------------------------------------------------------------
+    def capture_input(self, x: Tensor) -> None:
+        """Accumulate the batch ``A`` factor of one forward call."""
+        self.a.accumulate(a_factor(self.helper.a_rows(x), self.scaling, self.factor_dtype))
+
+    def capture_grad_output(self, gy: Tensor) -> None:
+        """Accumulate the batch ``G`` factor of one backward call."""
+        gy = gy.to(self.factor_dtype) * self.grad_multiplier()
+        self.g.accumulate(g_factor(self.helper.g_rows(gy), self.scaling, self.factor_dtype))
+
+    # Factor stage ----------------------------------------------------------------------------
+    def stage_batch_factors(self) -> None:
+        """Move the captured micro-step factors into ``batch_a``/``batch_g`` for communication."""
+        self.batch_a = self.a.take_batch()
+        self.batch_g = self.g.take_batch()
+
+    def discard_batch_factors(self) -> None:
+        """Forget everything captured for this step (e.g. an AMP overflow step)."""
+        self.a.discard_pending()
+        self.g.discard_pending()
+        self.batch_a = self.batch_g = None
+
+    def update_running_factors(self, decay: float) -> None:
+        """Blend the staged batch factors into the running averages; skip non-finite ones."""
+        batch_a, batch_g = self.batch_a, self.batch_g
+        self.batch_a = self.batch_g = None
+        if batch_a is None or batch_g is None:
+            return
+        if not (torch.isfinite(batch_a).all() and torch.isfinite(batch_g).all()):
+            self.nonfinite_factor_skips += 1
+            warnings.warn(f"{self.name}: non-finite factor batch skipped "
+                          f"({self.nonfinite_factor_skips} so far)", stacklevel=2)
+            return
+        self.a.update(batch_a, decay)
+        self.g.update(batch_g, decay)
+
+    @property
+    def has_factors(self) -> bool:
+        return self.a.value is not None and self.g.value is not None
+
+    # Inversion -------------------------------------------------------------------------------
+    def compute_inverse(self, *, method: str, damping: float, split: str,
+                        dtype: torch.dtype) -> None:
+        """Recompute the second-order state; on failure keep the last good one and count it."""
+        if not self.has_factors:
+            return
+        assert self.a.value is not None and self.g.value is not None
+        try:
+            self.state = compute_state(self.a.value, self.g.value, method=method,
+                                       damping=damping, split=split, dtype=dtype)
+        except DecompositionError as err:
+            self.decomposition_failures += 1
+            kept = "keeping the last good inverse" if self.state else "left first-order"
+            warnings.warn(f"{self.name}: {err}; {kept} "
+                          f"({self.decomposition_failures} failures so far)", stacklevel=2)
+
+    def empty_state(self, method: str, dtype: torch.dtype, device: torch.device
+                    ) -> SecondOrderState:
+        """A zero state of the right shapes, for receiving a broadcast from the owner."""
+        a, g = self.a_dim, self.g_dim
+
+        def z(*shape: int) -> Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        if method == "eigen":
+            return EigenState(z(a, a), z(a), z(g, g), z(g))
+        return InverseState(z(a, a), z(g, g))
+
+    def precondition(self, grad: Tensor, damping: float) -> Tensor | None:
+        """``P`` for the current gradient matrix, or None without a second-order state."""
+        if self.state is None:
+            return None
+        return precondition(grad, self.state, damping)
+
+    # Reporting -------------------------------------------------------------------------------
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held: running factors, second-order state, and pending capture buffers."""
+
+        def nbytes(*tensors: Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        return {
+            "factors": nbytes(self.a.value, self.g.value),
+            "inverses": nbytes(*self.state.tensors()) if self.state else 0,
+            "buffers": nbytes(self.a.pending, self.g.pending, self.batch_a, self.batch_g),
+        }
+
+    def state_dict(self) -> dict[str, object]:
+        """Factors, second-order state and counters (tensors are cloned)."""
+        state: dict[str, object] = {
+            "A": None if self.a.value is None else self.a.value.clone(),
+            "G": None if self.g.value is None else self.g.value.clone(),
+            "decomposition_failures": self.decomposition_failures,
+            "nonfinite_factor_skips": self.nonfinite_factor_skips,
+            "state_kind": None, "state": None,
+        }
+        if self.state is not None:
+            state["state_kind"] = "eigen" if isinstance(self.state, EigenState) else "inverse"
+            state["state"] = [t.clone() for t in self.state.tensors()]
+        return state
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore what :meth:`state_dict` saved, checking shapes against this layer."""
+        for key, dim in (("A", self.a_dim), ("G", self.g_dim)):
+            value = state[key]
+            if value is not None and tuple(value.shape) != (dim, dim):  # type: ignore[union-attr]
+                raise ValueError(f"{self.name}: saved factor {key} has shape "
+                                 f"{tuple(value.shape)}, this layer needs {(dim, dim)}")  # type: ignore[union-attr]
+        self.a.value = state["A"]  # type: ignore[assignment]
+        self.g.value = state["G"]  # type: ignore[assignment]
+        self.decomposition_failures = int(state["decomposition_failures"])  # type: ignore[arg-type]
+        self.nonfinite_factor_skips = int(state["nonfinite_factor_skips"])  # type: ignore[arg-type]
+        tensors = state["state"]
+        kind = state["state_kind"]
+        if kind is None:
+            self.state = None
+        elif kind == "eigen":
+            self.state = EigenState(*tensors)  # type: ignore[misc]
+        else:
+            self.state = InverseState(*tensors)  # type: ignore[misc]

@@ -1,0 +1,195 @@
+"""Per-module-type helpers: captured tensors to factor rows, and the gradient matrix ∇W̄.
+
+Each helper knows one ``nn.Module`` type. It turns the layer input into rows ``ā`` (bias entry
+last), the output gradient into rows ``g``, and reads/writes the weight gradient as one matrix
+``[∇W | ∇b]`` of shape ``(g_dim, a_dim)``. Factor scaling conventions live in ``core.factors``;
+the helpers only report how many examples ``B`` and locations ``L`` (or positions ``T``) the rows
+came from, which is all the conventions need.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class UnsupportedLayerError(TypeError):
+    """A module cannot be preconditioned; the message says why and how to skip it."""
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Factor rows of one captured tensor.
+
+    Attributes:
+        rows: ``(B, T, dim)`` rows; ``T`` is 1 for 2-D Linear, the sequence length for 3-D
+            Linear inputs, and the number of output locations ``L`` for Conv2d.
+        spatial: True when ``T`` counts conv output locations (the ``kfc``/``dpkfac``
+            conventions treat locations and sequence positions differently).
+    """
+
+    rows: Tensor
+    spatial: bool
+
+    @property
+    def batch(self) -> int:
+        """Examples ``B`` in the captured batch."""
+        return self.rows.shape[0]
+
+    @property
+    def positions(self) -> int:
+        """Rows per example (``T`` or ``L``)."""
+        return self.rows.shape[1]
+
+
+class LayerHelper:
+    """Base class: the weight/bias access shared by all supported layer types."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the module has a bias (it becomes the last column of ``W̄``)."""
+        return getattr(self.module, "bias", None) is not None
+
+    @property
+    def weight(self) -> Tensor:
+        return self.module.weight  # type: ignore[return-value]
+
+    @property
+    def g_dim(self) -> int:
+        """Dimension of ``G`` (output features / channels)."""
+        return self.weight.shape[0]
+
+    @property
+    def a_dim(self) -> int:
+        """Dimension of ``A`` (input features or patch size, plus one for the bias)."""
+        return self.weight[0].numel() + int(self.has_bias)
+
+    def a_rows(self, x: Tensor) -> Rows:
+        """Input rows ``ā`` (bias entry appended) of a captured layer input."""
+        raise NotImplementedError
+
+    def g_rows(self, gy: Tensor) -> Rows:
+        """Output-gradient rows of a captured output gradient."""
+        raise NotImplementedError
+
+    def grad_matrix(self) -> Tensor | None:
+        """``∇W̄ = [∇W | ∇b]`` as a ``(g_dim, a_dim)`` matrix, or None if there is no gradient."""
+        if self.weight.grad is None:
+            return None
+        grad = self.weight.grad.reshape(self.g_dim, -1)
+        if self.has_bias:
+            bias_grad = self.module.bias.grad  # type: ignore[union-attr]
+            if bias_grad is None:
+                bias_grad = torch.zeros_like(self.module.bias)  # type: ignore[arg-type]
+            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
+        return grad
+
+    def set_grad(self, matrix: Tensor) -> None:
+        """Write a ``(g_dim, a_dim)`` matrix back into ``.grad`` of weight and bias."""
+        weight = self.weight
+        w_cols = weight[0].numel()
+        weight.grad = matrix[:, :w_cols].reshape(weight.shape).to(weight.dtype).contiguous()
+        if self.has_bias:
+            bias = self.module.bias
+            bias.grad = matrix[:, w_cols].reshape(bias.shape).to(bias.dtype).contiguous()  # type: ignore[union-attr]
+
+    def _append_bias(self, rows: Tensor) -> Tensor:
+        if not self.has_bias:
+            return rows
+        ones = rows.new_ones(*rows.shape[:-1], 1)
+        return torch.cat([rows, ones], dim=-1)
+
+
+class LinearHelper(LayerHelper):
+    """``nn.Linear`` with 2-D ``(B, D)`` or N-D ``(B, ..., D)`` inputs (positions flattened)."""
+
+    def a_rows(self, x: Tensor) -> Rows:
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        return Rows(self._append_bias(x), spatial=False)
+
+    def g_rows(self, gy: Tensor) -> Rows:
+        return Rows(gy.reshape(gy.shape[0], -1, gy.shape[-1]), spatial=False)
+
+
+class Conv2dHelper(LayerHelper):
+    """``nn.Conv2d`` (stride, padding, dilation; ``groups=1``): im2col patch rows.
+
+    Patches are in channel-major ``(c_in, k_h, k_w)`` order, matching ``weight.view(c_out, -1)``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        assert isinstance(module, nn.Conv2d)
+        if module.groups != 1:
+            raise UnsupportedLayerError(
+                f"Conv2d with groups={module.groups} is not supported (its Fisher block is "
+                "block-diagonal); it is left first-order"
+            )
+        if module.padding_mode != "zeros":
+            raise UnsupportedLayerError(
+                f"Conv2d with padding_mode={module.padding_mode!r} is not supported; "
+                "it is left first-order"
+            )
+        super().__init__(module)
+        self.conv: nn.Conv2d = module
+
+    def _padding(self) -> tuple[int, int]:
+        padding = self.conv.padding
+        if padding == "valid":
+            return (0, 0)
+        if padding == "same":
+            k, d = self.conv.kernel_size, self.conv.dilation
+            total = [d[i] * (k[i] - 1) for i in range(2)]
+            if any(t % 2 for t in total):
+                raise UnsupportedLayerError(
+                    "Conv2d with padding='same' and an even effective kernel pads "
+                    "asymmetrically; give explicit integer padding or skip the layer"
+                )
+            return (total[0] // 2, total[1] // 2)
+        return padding  # type: ignore[return-value]
+
+    def a_rows(self, x: Tensor) -> Rows:
+        patches = F.unfold(
+            x,
+            kernel_size=self.conv.kernel_size,
+            dilation=self.conv.dilation,
+            padding=self._padding(),
+            stride=self.conv.stride,
+        )  # (B, c_in*k_h*k_w, L)
+        return Rows(self._append_bias(patches.transpose(1, 2)), spatial=True)
+
+    def g_rows(self, gy: Tensor) -> Rows:
+        return Rows(gy.flatten(2).transpose(1, 2), spatial=True)
+
+
+_HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
+    nn.Linear: LinearHelper,
+    nn.Conv2d: Conv2dHelper,
+}
+
+
+def register_helper(module_type: type[nn.Module], helper: type[LayerHelper]) -> None:
+    """Support another module type (e.g. a BatchNorm Fisher block in a reproduction)."""
+    _HELPERS[module_type] = helper
+
+
+def helper_for(module: nn.Module) -> LayerHelper | None:
+    """The helper for ``module``, or None when its type is not supported.
+
+    Unsupported configurations of a supported type (e.g. grouped convolutions) warn and
+    return None, so the layer is left first-order rather than preconditioned wrongly.
+    """
+    helper_type = _HELPERS.get(type(module))
+    if helper_type is None:
+        return None
+    try:
+        return helper_type(module)
+    except UnsupportedLayerError as err:
+        warnings.warn(str(err), stacklevel=3)
+        return None

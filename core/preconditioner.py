@@ -1,0 +1,316 @@
+"""``KFACPreconditioner``: the K-FAC step as an explicit pipeline of timed stages.
+
+capture (hooks) → factors → factor comm → inversion → inverse comm → precondition → gradient comm
+→ KL clip and write-back. The mathematics is in ``core.factors``/``core.inverse``; who does what
+on which rank is the :class:`~core.strategy.Strategy`'s business.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from core.capture import CaptureHooks
+from core.config import ConfigError, KFACConfig, check_scheduled_value, resolve_interval
+from core.hyper import value_at
+from core.inverse import kl_clip_scale
+from core.kfac_layer import KFACLayer
+from core.layers import helper_for
+from core.strategy import Strategy
+from core.timing import STAGES, StageTimer
+
+
+def _skipped(name: str, module: nn.Module, skip: Iterable[str | type[nn.Module]]) -> bool:
+    for rule in skip:
+        if isinstance(rule, str):
+            if re.search(rule, name):
+                return True
+        elif isinstance(module, rule):
+            return True
+    return False
+
+
+def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]]
+                    ) -> list[tuple[str, nn.Module]]:
+    """Supported, trainable, not-skipped modules in ``model`` (in ``named_modules`` order)."""
+    found = []
+    for name, module in model.named_modules():
+        if _skipped(name, module, skip):
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, Tensor) or not weight.requires_grad:
+            continue
+        if helper_for(module) is not None:
+            found.append((name, module))
+    return found
+
+
+class KFACPreconditioner:
+    """Kronecker-factored preconditioning of every supported layer's gradient.
+
+    Usage: ``loss.backward(); precond.step(); optimizer.step()``. ``step()`` rewrites ``.grad``
+    of the preconditioned layers in place; other parameters keep their raw gradients.
+
+    Args:
+        model: The model (or its DDP wrapper).
+        config: A :class:`~core.config.KFACConfig`; or give its fields as keyword arguments.
+        grad_scaler: An AMP ``GradScaler`` whose scale is divided out of captured gradients.
+            Unscale the gradients (``scaler.unscale_(optimizer)``) before ``step()``.
+        strategy_impl: A ready strategy object; by default one is built from ``config.strategy``
+            (the single-process strategy when ``torch.distributed`` is not initialised).
+        disabled_stages: Stage names (see ``core.timing.STAGES``) to skip, for time-breakdown
+            experiments; the results are then not K-FAC any more.
+        **options: :class:`~core.config.KFACConfig` fields.
+
+    Raises:
+        ConfigError: on an invalid option, naming the field and the allowed values.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: KFACConfig | None = None,
+        *,
+        grad_scaler: Any = None,
+        strategy_impl: Strategy | None = None,
+        disabled_stages: Iterable[str] = (),
+        **options: Any,
+    ) -> None:
+        unknown = set(options) - set(KFACConfig.field_names())
+        if unknown:
+            name = sorted(unknown)[0]
+            raise ConfigError(name, options[name],
+                              "a KFACConfig field: " + ", ".join(KFACConfig.field_names()))
+        if config is not None and options:
+            raise ConfigError("config", config, "either a KFACConfig or keyword options, not both")
+        self.config = config if config is not None else KFACConfig(**options)
+        disabled = frozenset(disabled_stages)
+        for stage in disabled:
+            if stage not in STAGES:
+                raise ConfigError("disabled_stages", stage, "stage names among " + ", ".join(STAGES))
+        self.disabled_stages = disabled
+        self.grad_scaler = grad_scaler
+        self.steps = 0
+        self.skipped_overflow_steps = 0
+        self.last_kl_scale = 1.0
+        self.factor_dtype = getattr(torch, self.config.factor_dtype)
+        self.inverse_dtype = getattr(torch, self.config.inverse_dtype)
+
+        if strategy_impl is None:
+            from core.distributed import make_strategy
+
+            strategy_impl = make_strategy(self.config)
+        self.strategy = strategy_impl
+        self._loss_scale_cache: float | None = None
+
+        self.layers = [
+            KFACLayer(name, helper, scaling=self.config.factor_scaling,
+                      factor_dtype=self.factor_dtype, grad_multiplier=self._grad_multiplier)
+            for name, module in discover_layers(model, self.config.skip_layers)
+            if (helper := helper_for(module)) is not None
+        ]
+        if not self.layers:
+            warnings.warn("KFACPreconditioner found no supported layers (Linear, Conv2d) in the "
+                          "model; step() leaves every gradient first-order", stacklevel=2)
+        self.strategy.setup(self.layers, method=self.config.inverse_method,
+                            dtype=self.inverse_dtype)
+        self._capturing = self._factor_update_due(0)
+        params = list(model.parameters())
+        self.timer = StageTimer(synchronize_cuda=bool(params) and params[0].is_cuda)
+        self._hooks = [self._register(layer) for layer in self.layers]
+
+    # Hooks -----------------------------------------------------------------------------------
+    def _register(self, layer: KFACLayer) -> CaptureHooks:
+        captures = self.strategy.captures(layer)
+
+        def timed(fn):  # type: ignore[no-untyped-def]
+            def run(t: Tensor) -> None:
+                with self.timer.stage("factors"):
+                    fn(t)
+            return run
+
+        return CaptureHooks(
+            layer.helper.module,
+            on_input=timed(layer.capture_input),
+            on_grad_output=timed(layer.capture_grad_output),
+            enabled=lambda: self._capturing and captures and "factors" not in self.disabled_stages,
+        )
+
+    def _grad_multiplier(self) -> float:
+        """``accumulation_steps / loss_scale``, and ``1/P`` for ``kaisa`` over P ranks' batches.
+
+        KAISA's ``G`` uses the raw gradient of a loss averaged over the batch the factor
+        describes; dividing by the number of ranks whose batches are pooled keeps every strategy
+        equal to the single-process result on the same global batch.
+        """
+        if self._loss_scale_cache is None:
+            scale = 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
+            self._loss_scale_cache = scale
+        multiplier = self.config.accumulation_steps / self._loss_scale_cache
+        if self.config.factor_scaling == "kaisa":
+            multiplier /= self.strategy.factor_ranks
+        return multiplier
+
+    def _factor_update_due(self, step: int) -> bool:
+        return step % resolve_interval("factor_update_steps",
+                                       self.config.factor_update_steps, step) == 0
+
+    # The step --------------------------------------------------------------------------------
+    def _hyper(self, name: str, low: float) -> float:
+        value = value_at(getattr(self.config, name), self.steps)
+        check_scheduled_value(name, value, low=low)
+        return float(value)
+
+    def _enabled(self, stage: str) -> bool:
+        return stage not in self.disabled_stages
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition the gradients of this step (call after ``backward``, before the optimizer).
+        """
+        step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
+        grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
+        present = [g for g in grads.values() if g is not None]
+        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
+            # An AMP overflow (or a diverged step): keep the factors clean and the grads raw.
+            self.skipped_overflow_steps += 1
+            for layer in self.layers:
+                layer.discard_batch_factors()
+            self._end_step()
+            return
+
+        if self._capturing:
+            with timer.stage("factors"):
+                for layer in self.layers:
+                    layer.stage_batch_factors()
+            if self._enabled("factor_comm"):
+                with timer.stage("factor_comm"):
+                    strategy.reduce_factors(self.layers)
+            with timer.stage("factors"):
+                decay = self._hyper("factor_decay", 0.0)
+                for layer in self.layers:
+                    layer.update_running_factors(decay)
+
+        damping = self._hyper("damping", 0.0)
+        if step % resolve_interval("inv_update_steps", cfg.inv_update_steps, step) == 0:
+            if self._enabled("inversion"):
+                with timer.stage("inversion"):
+                    for layer in self.layers:
+                        if strategy.inverts(layer):
+                            layer.compute_inverse(method=cfg.inverse_method, damping=damping,
+                                                  split=cfg.damping_split,
+                                                  dtype=self.inverse_dtype)
+            if self._enabled("inverse_comm"):
+                with timer.stage("inverse_comm"):
+                    strategy.communicate_inverses(self.layers)
+
+        preconditioned: dict[str, Tensor] = {}
+        if self._enabled("precondition"):
+            with timer.stage("precondition"):
+                for layer in self.layers:
+                    grad = grads[layer.name]
+                    if grad is None or not strategy.preconditions(layer):
+                        continue
+                    p = layer.precondition(grad, damping)
+                    if p is not None:
+                        preconditioned[layer.name] = p
+        if self._enabled("grad_comm"):
+            with timer.stage("grad_comm"):
+                strategy.communicate_gradients(self.layers, preconditioned)
+
+        if self._enabled("scale"):
+            with timer.stage("scale"):
+                self._clip_and_write(grads, preconditioned)
+        self._end_step()
+
+    def _clip_and_write(self, grads: dict[str, Tensor | None],
+                        preconditioned: dict[str, Tensor]) -> None:
+        """Apply the KL clip over all preconditioned layers and write ``P`` into ``.grad``."""
+        if not preconditioned:
+            self.last_kl_scale = 1.0
+            return
+        scale = 1.0
+        if self.config.kl_clip is not None:
+            kl_clip = self._hyper("kl_clip", 0.0)
+            lr = self._hyper("lr", 0.0)
+            products = torch.stack([
+                (p * grads[name].to(p.dtype)).sum()  # type: ignore[union-attr]
+                for name, p in preconditioned.items()
+            ]).sum()
+            scale = kl_clip_scale(float(products), lr, kl_clip)
+        self.last_kl_scale = scale
+        for layer in self.layers:
+            p = preconditioned.get(layer.name)
+            if p is not None:
+                layer.helper.set_grad(p * scale if scale != 1.0 else p)
+
+    def _end_step(self) -> None:
+        self.steps += 1
+        self._loss_scale_cache = None
+        self._capturing = self._factor_update_due(self.steps)
+        self.timer.end_step()
+
+    # Reporting and state ---------------------------------------------------------------------
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this rank holds for K-FAC: ``factors``, ``inverses``, ``buffers`` and ``total``.
+        """
+        usage = {"factors": 0, "inverses": 0, "buffers": 0}
+        for layer in self.layers:
+            for key, value in layer.memory_usage().items():
+                usage[key] += value
+        usage["buffers"] += self.strategy.buffer_bytes()
+        usage["total"] = sum(usage.values())
+        return usage
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars worth logging each step: stage times, KL scale, failure and skip counters."""
+        out: dict[str, float] = {f"time/{k}": v for k, v in self.timer.last.items()}
+        out["kl_scale"] = self.last_kl_scale
+        out["damping"] = self._hyper("damping", 0.0)
+        out["decomposition_failures"] = sum(x.decomposition_failures for x in self.layers)
+        out["nonfinite_factor_skips"] = sum(x.nonfinite_factor_skips for x in self.layers)
+        out["skipped_overflow_steps"] = self.skipped_overflow_steps
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, per-layer factors and second-order state, and the strategy signature."""
+        return {
+            "steps": self.steps,
+            "skipped_overflow_steps": self.skipped_overflow_steps,
+            "signature": self.strategy.state_signature(),
+            "layers": {layer.name: layer.state_dict() for layer in self.layers},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; the model's layers and strategy must match."""
+        signature = self.strategy.state_signature()
+        if state["signature"] != signature:
+            raise ValueError(f"preconditioner state was saved with {state['signature']}, "
+                             f"this run has {signature}; resume with the same strategy and "
+                             "world size")
+        names = {layer.name for layer in self.layers}
+        if set(state["layers"]) != names:
+            missing = sorted(names - set(state["layers"]))
+            extra = sorted(set(state["layers"]) - names)
+            raise ValueError(f"preconditioner state does not match the model's layers "
+                             f"(missing {missing}, unexpected {extra})")
+        for layer in self.layers:
+            layer.load_state_dict(state["layers"][layer.name])
+        self.steps = int(state["steps"])
+        self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
+        self._capturing = self._factor_update_due(self.steps)
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (the preconditioner stops capturing)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return (f"KFACPreconditioner({len(self.layers)} layers, {self.config}, "
+                f"{self.strategy.describe()})")

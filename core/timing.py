@@ -1,0 +1,60 @@
+"""Per-stage wall-clock timing of the preconditioner step."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+STAGES = (
+    "factors",          # batch factors from captured tensors (inside the hooks)
+    "factor_comm",      # reduce / reduce-scatter of factors
+    "inversion",        # decompositions
+    "inverse_comm",     # broadcast of inverses or eigenbases
+    "precondition",     # the preconditioning products
+    "grad_comm",        # broadcast / all-gather of preconditioned gradients
+    "scale",            # KL clip (or rescale) and write-back into .grad
+)
+
+
+class StageTimer:
+    """Accumulates seconds per stage; synchronises CUDA so GPU work is attributed correctly.
+
+    Attributes:
+        totals: Seconds per stage since construction (or :meth:`reset`).
+        last: Seconds per stage of the last completed step.
+    """
+
+    def __init__(self, synchronize_cuda: bool = False) -> None:
+        self.synchronize_cuda = synchronize_cuda
+        self.totals: dict[str, float] = defaultdict(float)
+        self.current: dict[str, float] = defaultdict(float)
+        self.last: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time the enclosed block as part of ``name``."""
+        if self.synchronize_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.synchronize_cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            self.current[name] += elapsed
+            self.totals[name] += elapsed
+
+    def end_step(self) -> None:
+        """Close the current step: its per-stage times become :attr:`last`."""
+        self.last = {name: self.current.get(name, 0.0) for name in STAGES}
+        self.current = defaultdict(float)
+
+    def reset(self) -> None:
+        self.totals = defaultdict(float)
+        self.current = defaultdict(float)
+        self.last = {}
