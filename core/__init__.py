@@ -1,4 +1,4 @@
-"""Shared library: curvature capture, Kronecker factors, inversion, preconditioners, distribution."""
+"""Shared library: curvature capture, factors, inversion, preconditioners, distribution."""
 
 from core.config import ConfigError, KFACConfig
 from core.preconditioner import KFACPreconditioner

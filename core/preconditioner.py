@@ -92,7 +92,7 @@ class KFACPreconditioner:
         disabled = frozenset(disabled_stages)
         for stage in disabled:
             if stage not in STAGES:
-                raise ConfigError("disabled_stages", stage, "stage names among " + ", ".join(STAGES))
+                raise ConfigError("disabled_stages", stage, "names among " + ", ".join(STAGES))
         self.disabled_stages = disabled
         self.grad_scaler = grad_scaler
         self.steps = 0
