@@ -142,19 +142,21 @@ class KFACPreconditioner:
         )
 
     def _grad_multiplier(self) -> float:
-        """``accumulation_steps / loss_scale``, and ``1/P`` for ``kaisa`` over P ranks' batches.
+        """What captured output gradients are multiplied by before they enter ``G``.
 
-        KAISA's ``G`` uses the raw gradient of a loss averaged over the batch the factor
-        describes; dividing by the number of ranks whose batches are pooled keeps every strategy
-        equal to the single-process result on the same global batch.
+        The loss scale is always divided out. The ``δ``-based conventions (``kfc``, ``dpkfac``)
+        recover ``δ = B·g`` per micro-batch, so they multiply by the accumulation steps (the
+        loss is divided by them). KAISA's ``G`` uses the raw gradient of the loss averaged over
+        the whole batch the factor describes: autograd already hands that under accumulation,
+        and over ``P`` ranks' pooled batches it is the local gradient divided by ``P``. This
+        keeps accumulation and every strategy equal to one process on the same global batch.
         """
         if self._loss_scale_cache is None:
             scale = 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
             self._loss_scale_cache = scale
-        multiplier = self.config.accumulation_steps / self._loss_scale_cache
         if self.config.factor_scaling == "kaisa":
-            multiplier /= self.strategy.factor_ranks
-        return multiplier
+            return 1.0 / (self._loss_scale_cache * self.strategy.factor_ranks)
+        return self.config.accumulation_steps / self._loss_scale_cache
 
     def _factor_update_due(self, step: int) -> bool:
         return step % resolve_interval("factor_update_steps",

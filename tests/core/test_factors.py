@@ -1,0 +1,118 @@
+"""Batch factors captured through the hooks equal the KFAC_MATH.md table, computed naively."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from core import KFACPreconditioner
+from tests.core.reference import conv_patches_naive, reference_factors, with_bias_column
+
+SCALINGS = ("kaisa", "kfc", "dpkfac")
+
+
+def captured_factors(module: nn.Module, x: torch.Tensor, scaling: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of capture; returns (A, G, autograd's output gradient g)."""
+    precond = KFACPreconditioner(module, factor_scaling=scaling, factor_dtype="float64",
+                                 inverse_dtype="float64", kl_clip=None)
+    out = module(x)
+    out.retain_grad()
+    target = torch.randn_like(out)
+    ((out - target) ** 2).sum(dim=tuple(range(1, out.dim()))).mean().backward()
+    precond.step()
+    layer = precond.layers[0]
+    assert layer.a.value is not None and layer.g.value is not None
+    return layer.a.value, layer.g.value, out.grad
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_2d_factors(scaling: str, bias: bool) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3, bias=bias).double()
+    x = torch.randn(7, 5, dtype=torch.float64)
+    a, g, gy = captured_factors(layer, x, scaling)
+    rows = with_bias_column(x) if bias else x
+    ref_a, ref_g = reference_factors(rows[:, None], gy[:, None], spatial=False, scaling=scaling)
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(g, ref_g)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_linear_3d_factors(scaling: str) -> None:
+    torch.manual_seed(1)
+    layer = nn.Linear(4, 6).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)  # (B, T, D)
+    a, g, gy = captured_factors(layer, x, scaling)
+    ref_a, ref_g = reference_factors(with_bias_column(x), gy, spatial=False, scaling=scaling)
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(g, ref_g)
+
+
+CONVS = [
+    dict(kernel_size=3, stride=1, padding=1, dilation=1, bias=True),
+    dict(kernel_size=3, stride=2, padding=0, dilation=1, bias=False),
+    dict(kernel_size=(2, 3), stride=(2, 1), padding=(1, 2), dilation=(2, 1), bias=True),
+]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("conv_args", CONVS)
+def test_conv2d_factors_match_naive_patches(scaling: str, conv_args: dict) -> None:
+    torch.manual_seed(2)
+    conv = nn.Conv2d(2, 3, **conv_args).double()
+    x = torch.randn(2, 2, 7, 6, dtype=torch.float64)
+    a, g, gy = captured_factors(conv, x, scaling)
+    patches = conv_patches_naive(x, conv)
+    if conv.bias is not None:
+        patches = with_bias_column(patches)
+    g_rows = gy.flatten(2).transpose(1, 2)  # (B, L, c_out)
+    assert patches.shape[1] == g_rows.shape[1]
+    ref_a, ref_g = reference_factors(patches, g_rows, spatial=True, scaling=scaling)
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(g, ref_g)
+
+
+def test_grouped_conv_is_skipped_with_warning() -> None:
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(1, 4, 5, 5))
+    with pytest.warns(UserWarning, match="groups=2"):
+        precond = KFACPreconditioner(model)
+    assert [layer.name for layer in precond.layers] == ["2"]
+
+
+def test_running_average_first_update_sets_factor() -> None:
+    torch.manual_seed(3)
+    layer = nn.Linear(3, 2).double()
+    precond = KFACPreconditioner(layer, factor_decay=0.9, factor_dtype="float64", kl_clip=None)
+    batches = []
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=torch.float64)
+        layer.zero_grad()
+        layer(x).pow(2).sum().backward()
+        batches.append(with_bias_column(x).T @ with_bias_column(x) / 4)
+        precond.step()
+    expected = batches[0]
+    for batch in batches[1:]:
+        expected = 0.9 * expected + 0.1 * batch
+    torch.testing.assert_close(precond.layers[0].a.value, expected)
+
+
+def test_factors_stay_fp32_under_bf16_autocast() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    precond = KFACPreconditioner(model, kl_clip=None)
+    x = torch.randn(16, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    out.float().pow(2).mean().backward()
+    precond.step()
+    for layer in precond.layers:
+        assert layer.a.value.dtype == torch.float32 and layer.g.value.dtype == torch.float32
+    rows = with_bias_column(x.double())
+    exact = (rows.T @ rows / 16).float()
+    # fp32 accuracy, far tighter than bf16's 3 significant digits
+    torch.testing.assert_close(precond.layers[0].a.value, exact, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,154 @@
+"""Preconditioned gradients equal dense float64 formulas (explicit Kronecker products, inv)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from core import KFACPreconditioner
+from core.inverse import (
+    DecompositionError,
+    damped_inverse,
+    eigen_decompose,
+    kl_clip_scale,
+    pi_split,
+)
+from tests.core.reference import dense_eigen_precondition, dense_inverse_precondition
+
+
+def one_step(model: nn.Module, x: torch.Tensor, **options):  # type: ignore[no-untyped-def]
+    """Run one step; return (preconditioner, raw grads per layer, preconditioned grads)."""
+    precond = KFACPreconditioner(model, factor_dtype="float64", inverse_dtype="float64",
+                                 **options)
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    raw = {layer.name: layer.helper.grad_matrix().clone() for layer in precond.layers}
+    precond.step()
+    new = {layer.name: layer.helper.grad_matrix() for layer in precond.layers}
+    return precond, raw, new
+
+
+def small_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(3, 4, 2, dilation=2, bias=False), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4, 3),
+    ).double()
+
+
+def test_eigen_equals_inverse_of_kronecker_plus_damping() -> None:
+    torch.manual_seed(0)
+    model = small_cnn()
+    damping = 0.05
+    precond, raw, new = one_step(model, torch.randn(5, 2, 6, 6, dtype=torch.float64),
+                                 damping=damping, inverse_method="eigen", kl_clip=None)
+    for layer in precond.layers:
+        expected = dense_eigen_precondition(raw[layer.name], layer.a.value, layer.g.value,
+                                            damping)
+        torch.testing.assert_close(new[layer.name], expected)
+
+
+@pytest.mark.parametrize("method", ["inverse", "cholesky"])
+@pytest.mark.parametrize("split", ["full", "pi"])
+def test_inverse_methods_match_dense_formula(method: str, split: str) -> None:
+    torch.manual_seed(1)
+    model = small_cnn()
+    damping = 0.01
+    precond, raw, new = one_step(model, torch.randn(4, 2, 6, 6, dtype=torch.float64),
+                                 damping=damping, inverse_method=method, damping_split=split,
+                                 kl_clip=None)
+    for layer in precond.layers:
+        a, g = layer.a.value, layer.g.value
+        if split == "full":
+            shift_a = shift_g = damping
+        else:
+            pi = math.sqrt((torch.trace(a) / a.shape[0]) / (torch.trace(g) / g.shape[0]))
+            shift_a, shift_g = pi * math.sqrt(damping), math.sqrt(damping) / pi
+        expected = dense_inverse_precondition(raw[layer.name], a, g, shift_a, shift_g)
+        torch.testing.assert_close(new[layer.name], expected)
+
+
+def test_pi_split_formula() -> None:
+    a = torch.diag(torch.tensor([4.0, 2.0, 0.0], dtype=torch.float64))
+    g = torch.diag(torch.tensor([1.0, 0.5], dtype=torch.float64))
+    assert pi_split(a, g) == pytest.approx(math.sqrt((6 / 3) / (1.5 / 2)))
+
+
+def test_kl_clip_matches_formula() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    lr, kappa, damping = 0.3, 1e-4, 0.1
+    precond, raw, unclipped = one_step(model, torch.randn(8, 6, dtype=torch.float64),
+                                       damping=damping, kl_clip=None)
+    unclipped = {k: v.clone() for k, v in unclipped.items()}
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    _, _, clipped = one_step(model, torch.randn(8, 6, dtype=torch.float64), damping=damping,
+                             kl_clip=kappa, lr=lr)
+    vg = sum(float((unclipped[k] * raw[k]).sum()) for k in raw) * lr**2
+    nu = min(1.0, math.sqrt(kappa / abs(vg)))
+    assert nu < 1.0, "test must exercise the clipping branch"
+    for name in raw:
+        torch.testing.assert_close(clipped[name], nu * unclipped[name])
+    assert kl_clip_scale(0.0, lr, kappa) == 1.0
+
+
+def test_bias_is_written_back_as_last_column() -> None:
+    torch.manual_seed(3)
+    model = nn.Linear(3, 2).double()
+    precond, raw, new = one_step(model, torch.randn(5, 3, dtype=torch.float64), kl_clip=None)
+    name = precond.layers[0].name
+    torch.testing.assert_close(model.weight.grad, new[name][:, :3])
+    torch.testing.assert_close(model.bias.grad, new[name][:, 3])
+    assert not torch.allclose(model.bias.grad, raw[name][:, 3])
+
+
+def test_eigen_decompose_retries_in_fp64(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real_eigh = torch.linalg.eigh
+
+    def flaky_eigh(m: torch.Tensor):  # type: ignore[no-untyped-def]
+        calls.append(m.dtype)
+        if m.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("simulated failure to converge")
+        return real_eigh(m)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky_eigh)
+    q, d = eigen_decompose(torch.eye(3) * 2, torch.float32)
+    assert calls == [torch.float32, torch.float64]
+    assert q.dtype == torch.float32
+    torch.testing.assert_close(d, torch.full((3,), 2.0))
+
+
+def test_cholesky_of_indefinite_factor_raises_decomposition_error() -> None:
+    indefinite = torch.diag(torch.tensor([1.0, -5.0]))
+    with pytest.raises(DecompositionError, match="cholesky"):
+        damped_inverse(indefinite, 0.1, "cholesky", torch.float32)
+    with pytest.raises(DecompositionError, match="non-finite"):
+        damped_inverse(torch.full((2, 2), float("nan")), 0.1, "inverse", torch.float32)
+
+
+def test_failed_decomposition_keeps_last_good_inverse() -> None:
+    torch.manual_seed(4)
+    model = nn.Linear(3, 2).double()
+    # factors only at step 0, inverses every step: step 1 re-inverts the (broken) factor
+    precond = KFACPreconditioner(model, inverse_method="cholesky", kl_clip=None,
+                                 factor_dtype="float64",
+                                 factor_update_steps=lambda step: 1 if step == 0 else 1000)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    model(x).pow(2).mean().backward()
+    precond.step()
+    layer = precond.layers[0]
+    good = [t.clone() for t in layer.state.tensors()]
+    layer.a.value = torch.diag(torch.tensor([1.0, -5.0, 1.0, 1.0], dtype=torch.float64))
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    with pytest.warns(UserWarning, match="keeping the last good inverse"):
+        precond.step()
+    assert layer.decomposition_failures == 1
+    for kept, before in zip(layer.state.tensors(), good, strict=True):
+        torch.testing.assert_close(kept, before)
+    assert precond.metrics()["decomposition_failures"] == 1

@@ -1,0 +1,272 @@
+"""Behaviour of KFACPreconditioner as a whole: hooks, schedules, accumulation, state, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from core import ConfigError, KFACConfig, KFACPreconditioner
+
+
+def mlp(inplace: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=inplace), nn.Linear(6, 3)).double()
+
+
+def backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> None:
+    (nn.functional.mse_loss(model(x), y) * scale).backward()
+
+
+def test_inplace_relu_after_linear_gives_the_same_factors() -> None:
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    factors = []
+    for inplace in (False, True):
+        model = mlp(inplace)
+        precond = KFACPreconditioner(model, factor_dtype="float64")
+        backward(model, x, y)
+        precond.step()
+        factors.append([(layer.a.value, layer.g.value) for layer in precond.layers])
+    for (a0, g0), (a1, g1) in zip(*factors, strict=True):
+        torch.testing.assert_close(a0, a1)
+        torch.testing.assert_close(g0, g1)
+
+
+def test_inplace_relu_g_factor_is_gradient_of_linear_output() -> None:
+    model = mlp(inplace=True)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    precond = KFACPreconditioner(model, factor_dtype="float64", factor_scaling="kfc")
+    captured = {}
+
+    def keep_output_grad(module: nn.Module, inputs: object, output: torch.Tensor) -> None:
+        output.register_hook(lambda g: captured.setdefault("g", g.clone()))
+
+    model[0].register_forward_hook(keep_output_grad)
+    backward(model, x, y)
+    precond.step()
+    delta = 8 * captured["g"]
+    torch.testing.assert_close(precond.layers[0].g.value, delta.T @ delta / 8)
+
+
+def test_module_called_twice_averages_both_calls() -> None:
+    torch.manual_seed(1)
+    shared = nn.Linear(3, 3).double()
+    precond = KFACPreconditioner(shared, factor_dtype="float64", factor_scaling="kfc")
+    x = torch.randn(5, 3, dtype=torch.float64)
+    hidden = shared(x)
+    shared(torch.tanh(hidden)).pow(2).mean().backward()
+    precond.step()
+    rows1 = torch.cat([x, torch.ones(5, 1, dtype=torch.float64)], 1)
+    rows2 = torch.cat([torch.tanh(hidden.detach()), torch.ones(5, 1, dtype=torch.float64)], 1)
+    expected = (rows1.T @ rows1 / 5 + rows2.T @ rows2 / 5) / 2
+    torch.testing.assert_close(precond.layers[0].a.value, expected)
+
+
+def test_skip_layers_by_regex_and_class() -> None:
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 4), nn.Linear(4, 2))
+    names = [layer.name for layer in KFACPreconditioner(model, skip_layers=["^3$"]).layers]
+    assert names == ["0", "2"]
+    names = [layer.name for layer in KFACPreconditioner(model, skip_layers=[nn.Conv2d]).layers]
+    assert names == ["2", "3"]
+
+
+def test_skipped_and_unsupported_layers_keep_raw_gradients() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).double()
+    precond = KFACPreconditioner(model, skip_layers=["^2$"])
+    backward(model, torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64))
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    precond.step()
+    for name, param in model.named_parameters():
+        changed = not torch.equal(param.grad, raw[name])
+        assert changed == name.startswith("0."), name
+
+
+@pytest.mark.parametrize("scaling", ["kaisa", "kfc", "dpkfac"])
+def test_gradient_accumulation_equals_the_full_batch(scaling: str) -> None:
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    full = mlp()
+    p_full = KFACPreconditioner(full, factor_dtype="float64", inverse_dtype="float64",
+                                factor_scaling=scaling)
+    backward(full, x, y)
+    p_full.step()
+    accum = mlp()
+    p_accum = KFACPreconditioner(accum, factor_dtype="float64", inverse_dtype="float64",
+                                 accumulation_steps=2, factor_scaling=scaling)
+    for half in (slice(0, 4), slice(4, 8)):
+        backward(accum, x[half], y[half], scale=0.5)
+    p_accum.step()
+    for a, b in zip(full.parameters(), accum.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_intervals_and_damping_accept_callables() -> None:
+    model = mlp()
+    seen = []
+
+    def damping(step: int) -> float:
+        seen.append(step)
+        return 1e-3 * (step + 1)
+
+    precond = KFACPreconditioner(model, damping=damping, factor_update_steps=lambda s: 2,
+                                 inv_update_steps=lambda s: 3)
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    captured = []
+    for _ in range(4):
+        model.zero_grad()
+        before = precond.layers[0].a.pending_count
+        backward(model, x, y)
+        captured.append(precond.layers[0].a.pending_count > before)
+        precond.step()
+    assert captured == [True, False, True, False]
+    assert set(seen) == {0, 1, 2, 3}
+    assert precond.metrics()["damping"] == pytest.approx(5e-3)
+
+
+def test_callable_returning_bad_value_names_the_field() -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model, damping=lambda s: -1.0)
+    backward(model, torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="damping"):
+        precond.step()
+
+
+def train_steps(model: nn.Module, precond: KFACPreconditioner, opt: torch.optim.Optimizer,
+                batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for x, y in batches:
+        opt.zero_grad()
+        backward(model, x, y)
+        precond.step()
+        opt.step()
+
+
+@pytest.mark.parametrize("method", ["eigen", "cholesky"])
+def test_state_dict_round_trip_gives_bit_identical_next_gradients(method: str) -> None:
+    torch.manual_seed(5)
+    batches = [(torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64))
+               for _ in range(4)]
+    options = dict(inverse_method=method, factor_update_steps=1, inv_update_steps=2)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precond = KFACPreconditioner(model, **options)
+    train_steps(model, precond, opt, batches[:3])
+    state = copy.deepcopy(precond.state_dict())
+    clone = copy.deepcopy(model)
+    clone_precond = KFACPreconditioner(clone, **options)
+    clone_precond.load_state_dict(state)
+    for m, p in ((model, precond), (clone, clone_precond)):
+        m.zero_grad()
+        backward(m, *batches[3])
+        p.step()
+    for a, b in zip(model.parameters(), clone.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_load_state_dict_rejects_another_model() -> None:
+    state = KFACPreconditioner(mlp()).state_dict()
+    other = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(ValueError, match="does not match the model's layers"):
+        KFACPreconditioner(other).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("damping", 0.0), ("damping", "big"), ("factor_decay", 1.0), ("factor_update_steps", 0),
+        ("inv_update_steps", 1.5), ("inverse_method", "svd"), ("damping_split", "half"),
+        ("factor_scaling", "mine"), ("kl_clip", -1.0), ("lr", -0.1), ("strategy", "magic"),
+        ("skip_layers", "fc"), ("skip_layers", [3]), ("skip_layers", ["(unclosed"]),
+        ("accumulation_steps", 0), ("factor_dtype", "float16"), ("grad_worker_fraction", 2.0),
+    ],
+)
+def test_bad_arguments_raise_an_error_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field) as info:
+        KFACPreconditioner(mlp(), **{field: value})
+    assert info.value.field_name == field
+    assert "expected" in str(info.value)
+
+
+def test_unknown_option_and_eigen_with_pi_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="dampening"):
+        KFACPreconditioner(mlp(), dampening=0.1)
+    with pytest.raises(ConfigError, match="damping_split"):
+        KFACConfig(inverse_method="eigen", damping_split="pi")
+    with pytest.raises(ConfigError, match="grad_worker_fraction"):
+        KFACConfig(strategy="hybrid-opt")
+
+
+def test_model_without_supported_layers_warns_and_leaves_gradients() -> None:
+    model = nn.Sequential(nn.LayerNorm(3))
+    with pytest.warns(UserWarning, match="no supported layers"):
+        precond = KFACPreconditioner(model)
+    model(torch.randn(2, 3)).sum().backward()
+    before = model[0].weight.grad.clone()
+    precond.step()
+    assert torch.equal(model[0].weight.grad, before)
+
+
+def test_overflow_step_leaves_factors_untouched_and_grads_raw() -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model, factor_dtype="float64")
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    backward(model, x, y)
+    precond.step()
+    factors = [layer.a.value.clone() for layer in precond.layers]
+    model.zero_grad()
+    backward(model, x * 1e300, y)  # overflows to inf in the gradients, as an AMP overflow does
+    raw = [p.grad.clone() for p in model.parameters()]
+    precond.step()
+    assert precond.skipped_overflow_steps == 1
+    for layer, before in zip(precond.layers, factors, strict=True):
+        assert torch.equal(layer.a.value, before)
+        assert layer.a.pending is None
+    for p, r in zip(model.parameters(), raw, strict=True):
+        assert torch.equal(p.grad.nan_to_num(), r.nan_to_num())
+
+
+def test_grad_scaler_scale_is_divided_out_of_g() -> None:
+    class FixedScaler:
+        def get_scale(self) -> float:
+            return 1024.0
+
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    plain, scaled = mlp(), mlp()
+    p_plain = KFACPreconditioner(plain, factor_dtype="float64")
+    p_scaled = KFACPreconditioner(scaled, factor_dtype="float64", grad_scaler=FixedScaler())
+    backward(plain, x, y)
+    backward(scaled, x, y, scale=1024.0)
+    for p in scaled.parameters():
+        p.grad /= 1024.0  # what scaler.unscale_ does
+    p_plain.step()
+    p_scaled.step()
+    for a, b in zip(p_plain.layers, p_scaled.layers, strict=True):
+        torch.testing.assert_close(a.g.value, b.g.value)
+
+
+def test_memory_usage_and_stage_timings_are_reported() -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model, inverse_method="eigen")
+    backward(model, torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
+    precond.step()
+    usage = precond.memory_usage()
+    elem = 4  # float32 storage
+    factors = (5 * 5 + 6 * 6 + 7 * 7 + 3 * 3) * elem
+    inverses = factors + (5 + 6 + 7 + 3) * elem
+    assert usage == {"factors": factors, "inverses": inverses, "buffers": 0,
+                     "total": factors + inverses}
+    metrics = precond.metrics()
+    assert metrics["time/inversion"] > 0 and metrics["time/factors"] > 0
+
+
+def test_disabled_stage_is_skipped() -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model, disabled_stages=["precondition"])
+    backward(model, torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
+    raw = [p.grad.clone() for p in model.parameters()]
+    precond.step()
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), raw, strict=True))
+    assert precond.layers[0].state is not None
+    with pytest.raises(ConfigError, match="disabled_stages"):
+        KFACPreconditioner(model, disabled_stages=["everything"])
