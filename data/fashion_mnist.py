@@ -87,11 +87,17 @@ def _read_split(train: bool, cache_dir: Path) -> tuple[torch.Tensor, torch.Tenso
     images = read_idx(images_path, fix)
     labels = read_idx(labels_path, fix)
     if images.ndim != 3 or images.shape[1:] != (28, 28) or images.dtype != np.uint8:
-        raise CorruptDataError(images_path, f"holds {images.dtype} {images.shape}, "
-                               "not uint8 images of shape (N, 28, 28)", fix)
+        raise CorruptDataError(
+            images_path,
+            f"holds {images.dtype} {images.shape}, not uint8 images of shape (N, 28, 28)",
+            fix,
+        )
     if labels.shape != (images.shape[0],) or labels.dtype != np.uint8 or labels.max(initial=0) > 9:
-        raise CorruptDataError(labels_path, f"holds {labels.dtype} {labels.shape}, not "
-                               f"{images.shape[0]} uint8 labels in [0, 10)", fix)
+        raise CorruptDataError(
+            labels_path,
+            f"holds {labels.dtype} {labels.shape}, not {images.shape[0]} uint8 labels in [0, 10)",
+            fix,
+        )
     return torch.from_numpy(images), torch.from_numpy(labels.astype(np.int64))
 
 

@@ -41,6 +41,7 @@ def read_idx(path: Path, fix: str = "replace it with an intact copy") -> np.ndar
         CorruptDataError: The file cannot be decompressed, its magic number is wrong, or its size
             does not match the dimensions in its header.
     """
+
     def corrupt(problem: str) -> CorruptDataError:
         return CorruptDataError(path, problem, fix)
 

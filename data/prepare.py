@@ -77,8 +77,10 @@ def build_fashion_mnist(root: str | None) -> None:
     for train in (True, False):
         dataset = fashion_mnist(train, root)
         split = "train" if train else "test"
-        print(f"fashion-mnist {split}: {len(dataset)} images -> "
-              f"{data_root(root) / 'fashion-mnist' / (split + '.pt')}")
+        print(
+            f"fashion-mnist {split}: {len(dataset)} images -> "
+            f"{data_root(root) / 'fashion-mnist' / (split + '.pt')}"
+        )
 
 
 def build_text(root: str | None) -> None:
