@@ -1,0 +1,67 @@
+"""Atomic creation of cache files and directories.
+
+Caches are built once and then trusted, so a half-written file (an interrupted run, a full disk,
+two processes racing) must never appear under the final name. Everything is written to a temporary
+name in the destination directory and renamed into place, which is atomic on POSIX file systems.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary file path that is renamed to ``final`` when the block succeeds.
+
+    The temporary file lives next to ``final`` (same file system, so the rename is atomic). If the
+    block raises, the temporary file is removed and ``final`` is left untouched.
+
+    Args:
+        final: The path the finished file should have; its parent is created if needed.
+
+    Yields:
+        A path the caller writes the complete contents to.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    tmp.chmod(0o644)  # mkstemp makes 0600; caches are meant to be shared like ordinary files
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield a temporary directory that is renamed to ``final`` when the block succeeds.
+
+    If another process created ``final`` first, its copy is kept and ours is discarded, since both
+    were built from the same inputs. On failure the temporary directory is removed.
+
+    Args:
+        final: The directory the finished contents should have; its parent is created if needed.
+
+    Yields:
+        An empty directory the caller fills.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    tmp.chmod(0o755)  # mkdtemp makes 0700
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,96 @@
+"""ImageNet-style image folders, and a tiny generated one for tests.
+
+The Osawa et al. reproduction trains ResNet-50 on ImageNet laid out the way torchvision's
+``ImageFolder`` expects: ``<root>/train/<class>/*.JPEG`` and ``<root>/val/<class>/*.JPEG``. That
+data cannot be shipped, so :func:`make_tiny_image_folder` writes a few generated PNGs in the same
+layout, letting tests exercise the identical code path in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from torchvision import datasets, transforms
+
+from data.errors import DataUnavailableError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+"""Per-channel statistics of ImageNet RGB pixels in [0, 1], as used by torchvision's models."""
+
+RESIZE_RATIO = 256 / 224
+"""Evaluation resizes the short side to this multiple of the crop size (256 for 224 crops)."""
+
+FOLDER_FIX = (
+    "point --data-dir at a folder laid out as train/<class>/<images> and val/<class>/<images> "
+    "(see data/README.md, 'Full-size data')"
+)
+
+
+def image_folder(root: Path, train: bool, image_size: int) -> datasets.ImageFolder:
+    """Open the ``train`` or ``val`` split of an ImageNet-style folder with standard transforms.
+
+    Training uses ``RandomResizedCrop`` and a horizontal flip; evaluation resizes the short side to
+    ``image_size * 256 / 224`` and center-crops. Both normalise with the ImageNet statistics.
+
+    Args:
+        root: Folder containing ``train/`` and ``val/``, each with one sub-folder per class.
+        train: True for the augmented training split, False for the validation split.
+        image_size: Side of the square crops fed to the model (224 for ResNet-50).
+
+    Returns:
+        The dataset; its ``classes`` are the sorted class-folder names.
+
+    Raises:
+        DataUnavailableError: ``root`` or the split is missing, or the split has no class folders.
+    """
+    split = Path(root) / ("train" if train else "val")
+    if not Path(root).is_dir():
+        raise DataUnavailableError(f"image folder {root}", FOLDER_FIX)
+    if not split.is_dir():
+        raise DataUnavailableError(f"the '{split.name}' split {split}", FOLDER_FIX)
+    if not any(child.is_dir() for child in split.iterdir()):
+        raise DataUnavailableError(f"class folders inside {split}", FOLDER_FIX)
+    normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    if train:
+        pipeline = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
+    else:
+        resized = round(image_size * RESIZE_RATIO)
+        pipeline = [transforms.Resize(resized), transforms.CenterCrop(image_size)]
+    return datasets.ImageFolder(
+        str(split), transform=transforms.Compose([*pipeline, transforms.ToTensor(), normalize])
+    )
+
+
+def make_tiny_image_folder(
+    dest: Path, classes: int = 3, per_class: int = 4, size: int = 32, seed: int = 0
+) -> Path:
+    """Write a small generated ImageNet-style folder of RGB PNGs.
+
+    Each class has its own base colour plus pixel noise, so a model can tell the classes apart and
+    a short training run shows the loss falling. Both ``train`` and ``val`` get ``per_class``
+    images per class.
+
+    Args:
+        dest: Folder to create (it may exist; files are overwritten).
+        classes: Number of class folders, named ``class_000``, ``class_001``, ...
+        per_class: Images per class in each split.
+        size: Side of each square image in pixels.
+        seed: Seed of the noise, so the output is reproducible.
+
+    Returns:
+        ``dest``, ready for :func:`image_folder`.
+    """
+    rng = np.random.default_rng(seed)
+    base_colours = rng.integers(0, 256, size=(classes, 3))
+    for split in ("train", "val"):
+        for label in range(classes):
+            folder = Path(dest) / split / f"class_{label:03d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for index in range(per_class):
+                noise = rng.integers(-40, 41, size=(size, size, 3))
+                pixels = np.clip(base_colours[label] + noise, 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"img_{index:03d}.png")
+    return Path(dest)

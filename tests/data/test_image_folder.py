@@ -1,0 +1,46 @@
+"""ImageNet-style folders: the tiny generated one, transforms, and the missing-folder errors."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.errors import DataUnavailableError
+from data.image_folder import image_folder, make_tiny_image_folder
+
+
+def test_tiny_folder_loads_both_splits(tmp_path: Path) -> None:
+    root = make_tiny_image_folder(tmp_path / "tiny", classes=3, per_class=2, size=20)
+    train = image_folder(root, train=True, image_size=16)
+    val = image_folder(root, train=False, image_size=16)
+    assert train.classes == ["class_000", "class_001", "class_002"]
+    assert len(train) == len(val) == 6
+    image, label = val[5]
+    assert image.shape == (3, 16, 16) and image.dtype == torch.float32
+    assert label == 2
+    assert train[0][0].shape == (3, 16, 16)
+
+
+def test_tiny_folder_is_reproducible(tmp_path: Path) -> None:
+    a = make_tiny_image_folder(tmp_path / "a", classes=1, per_class=1)
+    b = make_tiny_image_folder(tmp_path / "b", classes=1, per_class=1)
+    name = Path("train/class_000/img_000.png")
+    assert (a / name).read_bytes() == (b / name).read_bytes()
+
+
+def test_missing_root(tmp_path: Path) -> None:
+    with pytest.raises(DataUnavailableError, match="image folder .*absent.*train/<class>"):
+        image_folder(tmp_path / "absent", train=True, image_size=8)
+
+
+def test_missing_split_and_empty_split(tmp_path: Path) -> None:
+    root = make_tiny_image_folder(tmp_path / "tiny", classes=1, per_class=1, size=8)
+    shutil.rmtree(root / "val")
+    with pytest.raises(DataUnavailableError, match="'val' split"):
+        image_folder(root, train=False, image_size=8)
+    (root / "val").mkdir()
+    with pytest.raises(DataUnavailableError, match="class folders inside"):
+        image_folder(root, train=False, image_size=8)

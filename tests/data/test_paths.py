@@ -1,0 +1,35 @@
+"""Cache directory resolution and the shared --data-dir option."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from data.paths import DATA_DIR_ENV, REPO_ROOT, add_data_dir_argument, data_root
+
+
+def test_env_var_sets_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "from-env"))
+    assert data_root() == tmp_path / "from-env"
+
+
+def test_override_beats_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "from-env"))
+    assert data_root(tmp_path / "flag") == tmp_path / "flag"
+    assert data_root(str(tmp_path / "flag")) == tmp_path / "flag"
+
+
+def test_default_is_repo_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    assert data_root() == REPO_ROOT / ".cache" / "data"
+    assert (REPO_ROOT / "data" / "paths.py").is_file()
+
+
+def test_data_dir_argument(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_data_dir_argument(parser)
+    assert parser.parse_args([]).data_dir is None
+    args = parser.parse_args(["--data-dir", str(tmp_path)])
+    assert data_root(args.data_dir) == tmp_path

@@ -1,0 +1,48 @@
+"""The data.prepare command line: package checks, sudo advice, and cache building."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import data.prepare as prepare
+
+
+def test_non_root_prints_sudo_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prepare, "missing_packages", lambda packages: list(packages))
+    monkeypatch.setattr(prepare.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit) as info:
+        prepare.main(["--only", "text"])
+    message = str(info.value.code)
+    assert "sudo apt-get install -y -qq bible-kjv python3.11-doc" in message
+
+
+def test_builds_fashion_mnist_cache(
+    tiny_fashion_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(prepare, "missing_packages", lambda packages: [])
+    assert prepare.main(["--only", "fashion-mnist", "--data-dir", str(tmp_path / "d")]) == 0
+    assert (tmp_path / "d" / "fashion-mnist" / "test.pt").is_file()
+    assert "fashion-mnist train: 5 images" in capsys.readouterr().out
+
+
+def test_unavailable_data_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import data.fashion_mnist as fm
+
+    monkeypatch.setattr(prepare, "missing_packages", lambda packages: [])
+    monkeypatch.setenv(fm.SOURCE_DIR_ENV, str(tmp_path / "nowhere"))
+    monkeypatch.setattr(fm, "_network_available", lambda timeout=3.0: False)
+    assert prepare.main(["--only", "fashion-mnist"]) == 1
+    assert "apt-get install -y dataset-fashion-mnist" in capsys.readouterr().err
+
+
+def test_missing_packages_reports_unknown() -> None:
+    if prepare.shutil.which("dpkg-query") is None:
+        pytest.skip("dpkg-query is not available")
+    assert prepare.missing_packages(["dpkg", "kfac-no-such-package"]) == ["kfac-no-such-package"]
