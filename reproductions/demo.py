@@ -52,8 +52,9 @@ def train(name: str, train_set: TensorDataset, test_set: TensorDataset, *, steps
     torch.manual_seed(seed)
     model = small_cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    precond = (KFACPreconditioner(model, damping=3e-3, lr=lr, factor_update_steps=10,
-                                  inv_update_steps=10, kl_clip=1e-3) if use_kfac else None)
+    precond = (KFACPreconditioner(model, factor_scaling="kfc", damping=0.03, kl_clip=1e-3, lr=lr,
+                                  factor_update_steps=10, inv_update_steps=10)
+               if use_kfac else None)
     loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(seed))
     losses: list[float] = []
@@ -66,7 +67,7 @@ def train(name: str, train_set: TensorDataset, test_set: TensorDataset, *, steps
             if precond is not None:
                 precond.step()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             if len(losses) == steps:
                 break
     seconds = time.perf_counter() - start
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="training steps per optimizer")
     parser.add_argument("--batch-size", type=int, default=128, help="examples per step")
-    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate (both runs)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (both runs)")
     add_data_dir_argument(parser)
     args = parser.parse_args(argv)
     train_set = fashion_mnist(train=True, root=args.data_dir)
