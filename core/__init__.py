@@ -1,11 +1,14 @@
 """Shared library: curvature capture, factors, inversion, preconditioners, distribution."""
 
 from core.config import ConfigError, KFACConfig
+from core.eva import EvaConfig, EvaPreconditioner
 from core.mkor import MKORConfig, MKORPreconditioner
 from core.preconditioner import KFACPreconditioner
 
 __all__ = [
     "ConfigError",
+    "EvaConfig",
+    "EvaPreconditioner",
     "KFACConfig",
     "KFACPreconditioner",
     "MKORConfig",
