@@ -2,6 +2,7 @@
 
 from core.config import ConfigError, KFACConfig
 from core.eva import EvaConfig, EvaPreconditioner
+from core.hybrid import HybridConfig, HybridSwitch
 from core.mkor import MKORConfig, MKORPreconditioner
 from core.preconditioner import KFACPreconditioner
 
@@ -9,6 +10,8 @@ __all__ = [
     "ConfigError",
     "EvaConfig",
     "EvaPreconditioner",
+    "HybridConfig",
+    "HybridSwitch",
     "KFACConfig",
     "KFACPreconditioner",
     "MKORConfig",
