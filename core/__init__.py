@@ -4,6 +4,7 @@ from core.config import ConfigError, KFACConfig
 from core.eva import EvaConfig, EvaPreconditioner
 from core.hybrid import HybridConfig, HybridSwitch
 from core.mkor import MKORConfig, MKORPreconditioner
+from core.optim import SecondOrderOptimizer, build_optimizer
 from core.preconditioner import KFACPreconditioner
 
 __all__ = [
@@ -16,4 +17,6 @@ __all__ = [
     "KFACPreconditioner",
     "MKORConfig",
     "MKORPreconditioner",
+    "SecondOrderOptimizer",
+    "build_optimizer",
 ]
