@@ -114,7 +114,8 @@ class EvaLayer(Rank1Layer):
             if value is not None and tuple(value.shape) != (dim,):
                 raise ValueError(f"{self.name}: saved vector {key} has shape "
                                  f"{tuple(value.shape)}, this layer needs {(dim,)}")
-        self.a.value, self.g.value = state["a"], state["g"]
+        self.a.value, self.g.value = (None if state[key] is None else state[key].to(self.device)
+                                      for key in ("a", "g"))
 
 
 class EvaPreconditioner(Rank1Preconditioner):

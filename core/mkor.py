@@ -179,23 +179,28 @@ class MKORLayer(Rank1Layer):
 
     def update(self, a: Tensor, g: Tensor, *, gamma: float, rule: str, epsilon: float,
                zeta: float) -> None:
-        """Stabilise and update both inverse factors with the averaged statistics."""
-        self.a_vec, self.g_vec = a.clone(), g.clone()
-        self.a_inv = self._updated("R", self.a_inv, a, gamma, rule, epsilon, zeta)
-        self.g_inv = self._updated("L", self.g_inv, g, gamma, rule, epsilon, zeta)
+        """Stabilise and update both inverse factors with the averaged statistics.
 
-    def _updated(self, side: str, inverse: Tensor, v: Tensor, gamma: float, rule: str,
-                 epsilon: float, zeta: float) -> Tensor:
-        current, fired = stabilise(inverse.to(self.dtype), epsilon, zeta)
-        self.stabilisations += int(fired)
-        new = update_inverse(current, v, gamma, rule)
-        new = (new + new.T) / 2
-        if not bool(torch.isfinite(new).all()):
+        An update whose result is not finite in the storage dtype is skipped (the last inverse
+        is kept) and counted in :attr:`update_failures`.
+        """
+
+        def updated(side: str, inverse: Tensor, v: Tensor) -> Tensor:
+            current, fired = stabilise(inverse.to(self.dtype), epsilon, zeta)
+            self.stabilisations += int(fired)
+            new = update_inverse(current, v, gamma, rule)
+            new = ((new + new.T) / 2).to(self.storage_dtype)
+            if bool(torch.isfinite(new).all()):
+                return new
             self.update_failures += 1
-            warnings.warn(f"{self.name}: non-finite {side}⁻¹ update skipped, keeping the last "
-                          f"inverse ({self.update_failures} failures so far)", stacklevel=4)
+            warnings.warn(f"{self.name}: {side}⁻¹ update is not finite in {self.storage_dtype}; "
+                          f"keeping the last inverse ({self.update_failures} failures so far)",
+                          stacklevel=5)
             return inverse
-        return new.to(self.storage_dtype)
+
+        self.a_vec, self.g_vec = a.clone(), g.clone()
+        self.a_inv = updated("R", self.a_inv, a)
+        self.g_inv = updated("L", self.g_inv, g)
 
     def precondition(self, grad: Tensor) -> Tensor:
         """``L⁻¹ ∇W̄ R⁻¹`` in the arithmetic dtype."""

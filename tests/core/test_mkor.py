@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -191,6 +192,25 @@ def test_first_step_preconditions_with_the_updated_inverses_and_rescales() -> No
     torch.testing.assert_close(model.bias.grad, expected[:, 4])
 
 
+@pytest.mark.parametrize("rule", ["exact", "paper", "official"])
+def test_the_step_applies_the_chosen_rule_over_several_updates(rule: str) -> None:
+    torch.manual_seed(12)
+    model = nn.Linear(3, 2).to(F64)
+    gamma = 0.7
+    mkor = MKORPreconditioner(model, inv_update_steps=1, stat_decay=gamma, update_rule=rule,
+                              dtype="float64", epsilon=math.inf)
+    left, right = torch.eye(2, dtype=F64), torch.eye(4, dtype=F64)
+    for _ in range(4):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(5, 3, dtype=F64)), torch.randn(5, 2, dtype=F64)).backward()
+        mkor.step()
+        layer = mkor.layers[0]
+        left = update_inverse(left, layer.g_vec, gamma, rule)
+        right = update_inverse(right, layer.a_vec, gamma, rule)
+        torch.testing.assert_close(layer.g_inv, left)
+        torch.testing.assert_close(layer.a_inv, right)
+
+
 def test_inverses_change_only_on_update_steps_but_every_step_is_preconditioned() -> None:
     torch.manual_seed(6)
     model = nn.Linear(3, 2)
@@ -223,6 +243,24 @@ def test_half_precision_inverse_storage() -> None:
     assert results["float16"][2] == torch.float16
     assert results["float16"][1] * 2 == results[None][1]
     torch.testing.assert_close(results["float16"][0], results[None][0], rtol=1e-2, atol=1e-3)
+
+
+def test_an_update_out_of_range_for_the_storage_dtype_is_skipped_and_counted() -> None:
+    torch.manual_seed(13)
+    model = nn.Linear(3, 2)
+    # γ = 0.01 and no stabiliser: unexcited directions of R⁻¹ grow 100-fold per update, past
+    # fp16's range (65504) on the third update.
+    mkor = MKORPreconditioner(model, inv_update_steps=1, stat_decay=0.01, epsilon=math.inf,
+                              inverse_dtype="float16")
+    for _ in range(3):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 2)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mkor.step()
+    assert mkor.metrics()["update_failures"] >= 1
+    assert all(torch.isfinite(t).all() for t in (mkor.layers[0].a_inv, mkor.layers[0].g_inv))
+    assert torch.isfinite(model.weight.grad).all()
 
 
 class _TinyBert(nn.Module):
