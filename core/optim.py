@@ -29,7 +29,6 @@ from dataclasses import fields
 from typing import Any
 
 import torch
-from timm.optim import Lamb
 from torch import Tensor, nn
 
 from core.config import ConfigError, check_choice, check_number
@@ -79,6 +78,8 @@ def build_first_order(name: str, model: nn.Module, *, lr: float, weight_decay: f
     groups = parameter_groups(model, weight_decay, exclude_bias_and_norm=True)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas)
+    from timm.optim import Lamb  # timm takes seconds to import; only LAMB's users pay for it
+
     return Lamb(groups, lr=lr, betas=betas)
 
 

@@ -285,6 +285,23 @@ def test_bert_decoder_skipped_by_default_and_vocab_threshold() -> None:
     assert names == ["encoder", "cls.predictions.decoder", "head"]
 
 
+def test_hf_bert_decoder_is_skipped_by_default_and_the_rest_steps() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     max_position_embeddings=16)
+    torch.manual_seed(14)
+    model = transformers.BertForPreTraining(config)
+    mkor = MKORPreconditioner(model, inv_update_steps=1)
+    names = [layer.name for layer in mkor.layers]
+    assert "cls.predictions.decoder" not in names
+    assert "bert.encoder.layer.0.attention.self.query" in names  # 3-D Linear inputs
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids, next_sentence_label=torch.tensor([0, 1])).loss.backward()
+    mkor.step()
+    assert mkor.metrics()["update_failures"] == 0
+
+
 @pytest.mark.parametrize(("options", "field"), [
     ({"update_rule": "approx"}, "update_rule"),
     ({"stat_decay": 1.0}, "stat_decay"),
