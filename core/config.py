@@ -23,8 +23,6 @@ STRATEGIES = ("d-kfac", "comm-opt", "hybrid-opt", "mem-opt", "mpd-kfac", "osawa"
 STRATEGY_ALIASES = {"mpd-kfac": "mem-opt"}
 ASSIGNMENT_POLICIES = ("greedy", "round-robin")
 
-C = TypeVar("C")
-
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the allowed values."""
@@ -92,6 +90,9 @@ def check_scheduled_value(
 ) -> None:
     """Check the value a callable hyper-parameter returned at some step."""
     check_schedulable(name, value, low=low, high=high, integer=integer)
+
+
+C = TypeVar("C")
 
 
 def config_from_options(config_type: type[C], config: C | None, options: dict[str, Any]) -> C:

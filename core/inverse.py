@@ -14,7 +14,7 @@ that fails too, :class:`DecompositionError` is raised and the caller keeps its l
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +147,7 @@ def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
     return min(1.0, math.sqrt(kl_clip / vg))
 
 
-def kl_clip_factor(grads: Mapping[str, Tensor | None], preconditioned: Mapping[str, Tensor],
+def kl_clip_factor(grads: dict[str, Tensor | None], preconditioned: dict[str, Tensor],
                    lr: float, kl_clip: float) -> float:
     """``ν`` over all preconditioned layers (weights and biases): ``Σ (P ⊙ ∇W̄)``, then
     :func:`kl_clip_scale`. ``grads`` holds the raw gradient matrix of every name in
