@@ -3,17 +3,13 @@
 ``build_optimizer("mkor", model, lr=..., weight_decay=..., base="lamb")`` gives MKOR's
 preconditioner feeding LAMB, as in the MKOR paper's BERT runs. The names:
 
-=========  ==================================================  =============
-name       what runs each step                                 default base
-=========  ==================================================  =============
-``sgd``    ``torch.optim.SGD`` (momentum)                      (itself)
-``adamw``  ``torch.optim.AdamW``                               (itself)
-``lamb``   ``timm.optim.Lamb`` (the MKOR paper's baseline)     (itself)
-``kfac``   :class:`~core.KFACPreconditioner`, then the base    ``sgd``
-``mkor``   :class:`~core.MKORPreconditioner`, then the base    ``sgd``
-``mkor-h`` MKOR inside :class:`~core.hybrid.HybridSwitch`      ``sgd``
-``eva``    :class:`~core.eva.EvaPreconditioner`, then the base ``sgd``
-=========  ==================================================  =============
+* ``sgd``, ``adamw``, ``lamb``: ``torch.optim.SGD`` (momentum), ``torch.optim.AdamW``,
+  ``timm.optim.Lamb`` (the MKOR paper's first-order baseline), alone.
+* ``kfac``, ``mkor``, ``eva``: :class:`~core.KFACPreconditioner`,
+  :class:`~core.MKORPreconditioner` or :class:`~core.eva.EvaPreconditioner` rewrites the
+  gradients, then the base optimizer (``base=``, default ``sgd``) steps.
+* ``mkor-h``: MKOR inside :class:`~core.hybrid.HybridSwitch`, which drops to the base optimizer
+  alone once second order stops paying; ``step(loss)`` feeds it the loss.
 
 The first-order optimizers come from maintained libraries (torch, timm). For ``lamb`` and
 ``adamw`` bases, weight decay is not applied to biases and LayerNorm parameters (as BERT's
