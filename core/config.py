@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -73,11 +73,48 @@ def check_schedulable(
         raise ConfigError(name, value, allowed)
 
 
+def check_number(name: str, value: Any, **bounds: Any) -> None:
+    """Like :func:`check_schedulable`, for a hyper-parameter that must be a constant.
+
+    Raises:
+        ConfigError: if ``value`` is callable, not a number, or outside the range ``bounds``
+            (the keyword arguments of :func:`check_schedulable`).
+    """
+    if callable(value):
+        raise ConfigError(name, value, "a number (not a callable)")
+    check_schedulable(name, value, **bounds)
+
+
 def check_scheduled_value(
     name: str, value: float, *, low: float, high: float = math.inf, integer: bool = False
 ) -> None:
     """Check the value a callable hyper-parameter returned at some step."""
     check_schedulable(name, value, low=low, high=high, integer=integer)
+
+
+C = TypeVar("C")
+
+
+def config_from_options(config_type: type[C], config: C | None, options: dict[str, Any]) -> C:
+    """The configuration a preconditioner was given: a ready config object, or its fields.
+
+    Args:
+        config_type: The dataclass of the configuration (e.g. :class:`KFACConfig`).
+        config: A ready configuration, or None to build one from ``options``.
+        options: Keyword arguments naming fields of ``config_type``.
+
+    Raises:
+        ConfigError: on an unknown option, or when both ``config`` and ``options`` are given.
+    """
+    names = [f.name for f in fields(config_type)]  # type: ignore[arg-type]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ConfigError(unknown[0], options[unknown[0]],
+                          f"a {config_type.__name__} field: " + ", ".join(names))
+    if config is not None and options:
+        raise ConfigError("config", config,
+                          f"either a {config_type.__name__} or keyword options, not both")
+    return config if config is not None else config_type(**options)
 
 
 def check_skip_layers(value: Any) -> None:
@@ -188,11 +225,6 @@ class KFACConfig:
     def canonical_strategy(self) -> str:
         """The strategy name with aliases resolved (``mpd-kfac`` is ``mem-opt``)."""
         return STRATEGY_ALIASES.get(self.strategy, self.strategy)
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        """Names of all configuration fields, for building configs from keyword arguments."""
-        return tuple(f.name for f in fields(cls))
 
 
 def resolve_interval(name: str, value: Schedulable[int], step: int) -> int:

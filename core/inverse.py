@@ -145,3 +145,15 @@ def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
     if vg == 0.0 or not math.isfinite(vg):
         return 1.0
     return min(1.0, math.sqrt(kl_clip / vg))
+
+
+def kl_clip_factor(grads: dict[str, Tensor | None], preconditioned: dict[str, Tensor],
+                   lr: float, kl_clip: float) -> float:
+    """``ν`` over all preconditioned layers (weights and biases): ``Σ (P ⊙ ∇W̄)``, then
+    :func:`kl_clip_scale`. ``grads`` holds the raw gradient matrix of every name in
+    ``preconditioned``."""
+    products = torch.stack([
+        (p * grads[name].to(p.dtype)).sum()  # type: ignore[union-attr]
+        for name, p in preconditioned.items()
+    ]).sum()
+    return kl_clip_scale(float(products), lr, kl_clip)

@@ -16,9 +16,15 @@ import torch
 from torch import Tensor, nn
 
 from core.capture import CaptureHooks
-from core.config import ConfigError, KFACConfig, check_scheduled_value, resolve_interval
+from core.config import (
+    ConfigError,
+    KFACConfig,
+    check_scheduled_value,
+    config_from_options,
+    resolve_interval,
+)
 from core.hyper import value_at
-from core.inverse import kl_clip_scale
+from core.inverse import kl_clip_factor
 from core.kfac_layer import KFACLayer
 from core.layers import helper_for
 from core.strategy import Strategy
@@ -81,14 +87,7 @@ class KFACPreconditioner:
         disabled_stages: Iterable[str] = (),
         **options: Any,
     ) -> None:
-        unknown = set(options) - set(KFACConfig.field_names())
-        if unknown:
-            name = sorted(unknown)[0]
-            raise ConfigError(name, options[name],
-                              "a KFACConfig field: " + ", ".join(KFACConfig.field_names()))
-        if config is not None and options:
-            raise ConfigError("config", config, "either a KFACConfig or keyword options, not both")
-        self.config = config if config is not None else KFACConfig(**options)
+        self.config = config_from_options(KFACConfig, config, options)
         disabled = frozenset(disabled_stages)
         for stage in disabled:
             if stage not in STAGES:
@@ -238,13 +237,8 @@ class KFACPreconditioner:
             return
         scale = 1.0
         if self.config.kl_clip is not None:
-            kl_clip = self._hyper("kl_clip", 0.0)
-            lr = self._hyper("lr", 0.0)
-            products = torch.stack([
-                (p * grads[name].to(p.dtype)).sum()  # type: ignore[union-attr]
-                for name, p in preconditioned.items()
-            ]).sum()
-            scale = kl_clip_scale(float(products), lr, kl_clip)
+            scale = kl_clip_factor(grads, preconditioned, self._hyper("lr", 0.0),
+                                   self._hyper("kl_clip", 0.0))
         self.last_kl_scale = scale
         for layer in self.layers:
             p = preconditioned.get(layer.name)

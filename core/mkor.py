@@ -1,0 +1,295 @@
+"""MKOR: rank-1 Kronecker factors updated by Sherman–Morrison (Mozaffari et al., NeurIPS 2023).
+
+Per layer, on every ``inv_update_steps``-th step (KFAC_MATH.md "MKOR"):
+
+1. rank-1 statistics ``ā`` (mean input row) and ``ḡ`` (mean over rows of ``R·g``), see
+   :func:`core.rank1.activation_vector` and :func:`core.rank1.gradient_vector`;
+2. one all-reduce of all layers' concatenated vectors, divided by the world size exactly once
+   (optionally fp16 on the wire);
+3. the norm-based stabiliser: if ``max |L⁻¹| > ε``, ``L⁻¹ ← ζ L⁻¹ + (1 − ζ) I`` (same for
+   ``R⁻¹``);
+4. the inverse update of the recursion ``L_t = γ L_{t−1} + (1 − γ) ḡ ḡᵀ`` (``R`` with ``ā``),
+   by one of three rules (:func:`update_inverse`).
+
+Every step: ``P = L⁻¹ ∇W̄ R⁻¹``, then ``P ← (‖∇W̄‖ / ‖P‖) P`` per layer; a first-order optimizer
+(LAMB for BERT, SGD for ResNet) consumes ``P``. Inverse factors start at ``I``.
+
+Where this differs from the released code (``Mohammad-Mozaffari/mkor``), on purpose:
+
+* The official code's averaging all-reduce divides by the world size **twice** (``ReduceOp.AVG``
+  and then a division in its ``sync``), so its statistics shrink by ``P²``. Ours divides once.
+* The official stabiliser **resets the inverse to I** (its blending branch is unreachable: a
+  module is looked up in a list of tensors), and it acts one update late, instead of the update.
+  Ours blends, ``ζ L⁻¹ + (1 − ζ) I``, before the update in the same step, as the paper says.
+* ``update_rule="official"`` reproduces the code's inverse update, but with ``γ = stat_decay``
+  where the code hard-codes 0.95 (the default ``stat_decay``).
+* The official per-layer rescale uses ``(‖∇W‖ + ‖∇b‖) / (‖ΔW‖ + ‖Δb‖)`` and the code clamps
+  captured activations and gradients to ±100; ours uses the Frobenius norms of ``W̄ = [W | b]``
+  and does not clamp.
+* The stabiliser's trigger is the largest absolute entry of the inverse (as in the code; the
+  paper's text speaks of an infinity norm).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from core.config import (
+    ConfigError,
+    check_choice,
+    check_number,
+    check_schedulable,
+)
+from core.hyper import Schedulable
+from core.layers import LayerHelper
+from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner, nbytes
+
+UPDATE_RULES = ("exact", "paper", "official")
+INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def stabilise(inverse: Tensor, epsilon: float, zeta: float) -> tuple[Tensor, bool]:
+    """The norm-based stabiliser: ``ζ L⁻¹ + (1 − ζ) I`` when ``max |L⁻¹| > ε``.
+
+    Blending towards ``I`` mixes the second-order direction with the first-order one and keeps
+    the inverse factor bounded (paper Eq. 3.9). Returns the (possibly) blended inverse and
+    whether the stabiliser fired.
+    """
+    if not bool(inverse.abs().max() > epsilon):
+        return inverse, False
+    eye = torch.eye(inverse.shape[0], dtype=inverse.dtype, device=inverse.device)
+    return zeta * inverse + (1.0 - zeta) * eye, True
+
+
+def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str) -> Tensor:
+    """One rank-1 update of an inverse factor ``L⁻¹`` with the statistic ``v``.
+
+    Args:
+        inverse: ``L_{t−1}⁻¹`` (after the stabiliser).
+        v: ``ḡ`` (or ``ā`` for the right factor).
+        gamma: ``γ``, the weight of the old factor in ``L_t = γ L_{t−1} + (1 − γ) v vᵀ``.
+        rule: ``"exact"``: the Sherman–Morrison inverse of that recursion,
+            ``(1/γ) L⁻¹ − ((1−γ)/γ²) (L⁻¹v vᵀL⁻¹) / (1 + ((1−γ)/γ) vᵀL⁻¹v)``.
+            ``"paper"``: the formula as printed in the paper (Eq. 5/6),
+            ``γ L⁻¹ + (1−γ) / (γ² (1 + γ(1−γ) vᵀL⁻¹v)) · L⁻¹v vᵀL⁻¹``; it is not the inverse of
+            the recursion. ``"official"``: the released code, ``M = γ L⁻¹ + (1−γ) I``,
+            ``M − (M v vᵀ M) / (1 + vᵀ M v)``.
+
+    Returns:
+        ``L_t⁻¹`` (not symmetrised).
+    """
+    if rule == "official":
+        eye = torch.eye(inverse.shape[0], dtype=inverse.dtype, device=inverse.device)
+        inverse = gamma * inverse + (1.0 - gamma) * eye
+        u, w = inverse @ v, v @ inverse
+        return inverse - torch.outer(u, w) / (1.0 + v @ u)
+    u, w = inverse @ v, v @ inverse
+    quad = v @ u
+    if rule == "exact":
+        ratio = (1.0 - gamma) / gamma
+        return inverse / gamma - (ratio / gamma) * torch.outer(u, w) / (1.0 + ratio * quad)
+    if rule == "paper":
+        coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
+        return gamma * inverse + coeff * torch.outer(u, w)
+    raise ValueError(f"unknown update rule {rule!r}")
+
+
+def rescale_to_gradient(p: Tensor, grad: Tensor) -> Tensor:
+    """``(‖∇W̄‖ / ‖P‖) · P``: the update keeps the gradient's norm, so LR schedules keep their
+    meaning. A zero ``P`` gives the raw gradient back."""
+    p_norm = torch.linalg.vector_norm(p)
+    if not bool(p_norm > 0):
+        return grad
+    return p * (torch.linalg.vector_norm(grad) / p_norm)
+
+
+@dataclass(kw_only=True)
+class MKORConfig(Rank1Config):
+    """All options of :class:`MKORPreconditioner` (and the shared ones of
+    :class:`~core.rank1.Rank1Config`: ``skip_layers``, ``vocab_size_threshold``,
+    ``accumulation_steps``, ``dtype``, ``comm_dtype``).
+
+    Attributes:
+        inv_update_steps: Capture statistics and update the inverse factors every this many
+            steps (int >= 1 or callable of the step; the paper uses 10). Preconditioning runs
+            every step with the current inverses.
+        stat_decay: ``γ`` in (0, 1), the weight of the old factor (number or callable).
+        update_rule: ``"exact"`` (default), ``"paper"`` or ``"official"``; see
+            :func:`update_inverse`.
+        epsilon: Stabiliser threshold ``ε`` > 0 on ``max |L⁻¹|``; ``math.inf`` disables it.
+            The default 2 is the official code's.
+        zeta: Stabiliser weight ``ζ`` in [0, 1] of the old inverse; the default 0.9 is the
+            official code's ``1 − stabilization_factor``.
+        rescale: Rescale each layer's ``P`` to the norm of its gradient (the paper always does).
+        inverse_dtype: Storage dtype of the inverse factors; None keeps them in ``dtype``.
+            ``"float16"`` halves their memory, as in the paper; updates and preconditioning
+            upcast to ``dtype``.
+    """
+
+    inv_update_steps: Schedulable[int] = 10
+    stat_decay: Schedulable[float] = 0.95
+    update_rule: str = "exact"
+    epsilon: float = 2.0
+    zeta: float = 0.9
+    rescale: bool = True
+    inverse_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_schedulable("inv_update_steps", self.inv_update_steps, low=1, integer=True)
+        check_schedulable("stat_decay", self.stat_decay, low=0.0, high=1.0,
+                          low_inclusive=False, high_inclusive=False)
+        check_choice("update_rule", self.update_rule, UPDATE_RULES)
+        check_number("epsilon", self.epsilon, low=0.0, low_inclusive=False)
+        check_number("zeta", self.zeta, low=0.0, high=1.0)
+        if not isinstance(self.rescale, bool):
+            raise ConfigError("rescale", self.rescale, "True or False")
+        if self.inverse_dtype is not None:
+            check_choice("inverse_dtype", self.inverse_dtype, INVERSE_DTYPES)
+
+
+class MKORLayer(Rank1Layer):
+    """One layer's inverse factors ``L⁻¹`` (output side, ``g_dim``) and ``R⁻¹`` (input side,
+    ``a_dim``), both starting at ``I``, with the last averaged statistics and counters.
+
+    Args:
+        name: The module's qualified name.
+        helper: The layer-type helper.
+        dtype: Arithmetic dtype.
+        storage_dtype: Dtype the inverse factors are kept in.
+        grad_multiplier: See :class:`~core.rank1.Rank1Layer`.
+    """
+
+    def __init__(self, name: str, helper: LayerHelper, *, dtype: torch.dtype,
+                 storage_dtype: torch.dtype, grad_multiplier: Callable[[], float]) -> None:
+        super().__init__(name, helper, dtype=dtype, grad_multiplier=grad_multiplier)
+        self.storage_dtype = storage_dtype
+        self.a_inv = torch.eye(self.a_dim, dtype=storage_dtype, device=self.device)
+        self.g_inv = torch.eye(self.g_dim, dtype=storage_dtype, device=self.device)
+        self.a_vec: Tensor | None = None
+        self.g_vec: Tensor | None = None
+        self.stabilisations = 0
+        self.update_failures = 0
+
+    def update(self, a: Tensor, g: Tensor, *, gamma: float, rule: str, epsilon: float,
+               zeta: float) -> None:
+        """Stabilise and update both inverse factors with the averaged statistics.
+
+        An update whose result is not finite in the storage dtype is skipped (the last inverse
+        is kept) and counted in :attr:`update_failures`.
+        """
+
+        def updated(side: str, inverse: Tensor, v: Tensor) -> Tensor:
+            current, fired = stabilise(inverse.to(self.dtype), epsilon, zeta)
+            self.stabilisations += int(fired)
+            new = update_inverse(current, v, gamma, rule)
+            new = ((new + new.T) / 2).to(self.storage_dtype)
+            if bool(torch.isfinite(new).all()):
+                return new
+            self.update_failures += 1
+            warnings.warn(f"{self.name}: {side}⁻¹ update is not finite in {self.storage_dtype}; "
+                          f"keeping the last inverse ({self.update_failures} failures so far)",
+                          stacklevel=5)
+            return inverse
+
+        self.a_vec, self.g_vec = a.clone(), g.clone()
+        self.a_inv = updated("R", self.a_inv, a)
+        self.g_inv = updated("L", self.g_inv, g)
+
+    def precondition(self, grad: Tensor) -> Tensor:
+        """``L⁻¹ ∇W̄ R⁻¹`` in the arithmetic dtype."""
+        return self.g_inv.to(self.dtype) @ grad @ self.a_inv.to(self.dtype)
+
+    def memory_usage(self) -> dict[str, int]:
+        return {"inverses": nbytes(self.a_inv, self.g_inv),
+                "vectors": nbytes(self.a_vec, self.g_vec)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "a_inv": self.a_inv.clone(), "g_inv": self.g_inv.clone(),
+            "a_vec": None if self.a_vec is None else self.a_vec.clone(),
+            "g_vec": None if self.g_vec is None else self.g_vec.clone(),
+            "stabilisations": self.stabilisations, "update_failures": self.update_failures,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, dim in (("a_inv", self.a_dim), ("g_inv", self.g_dim)):
+            if tuple(state[key].shape) != (dim, dim):
+                raise ValueError(f"{self.name}: saved {key} has shape {tuple(state[key].shape)}, "
+                                 f"this layer needs {(dim, dim)}")
+        self.a_inv = state["a_inv"].to(self.device, self.storage_dtype)
+        self.g_inv = state["g_inv"].to(self.device, self.storage_dtype)
+        self.a_vec, self.g_vec = state["a_vec"], state["g_vec"]
+        self.stabilisations = int(state["stabilisations"])
+        self.update_failures = int(state["update_failures"])
+
+
+class MKORPreconditioner(Rank1Preconditioner):
+    """MKOR's rank-1 second-order preconditioning of every supported layer's gradient.
+
+    Usage: ``loss.backward(); mkor.step(); optimizer.step()``; ``step()`` rewrites ``.grad``
+    of the preconditioned layers in place (other parameters keep their raw gradients). The
+    mathematics and the deliberate differences from the official code (which divides its
+    all-reduced statistics by the world size twice and resets the inverse factors to ``I``
+    instead of blending them; ours does neither) are in this module's docstring.
+
+    Args:
+        model: The model (or its DDP wrapper); Linear (2-D and 3-D inputs) and Conv2d layers
+            are preconditioned, BERT's vocabulary decoder is skipped by default.
+        config: An :class:`MKORConfig`; or give its fields as keyword arguments, e.g.
+            ``MKORPreconditioner(model, inv_update_steps=10, stat_decay=0.95,
+            update_rule="exact")``.
+        grad_scaler: An AMP ``GradScaler`` whose scale is divided out of captured gradients.
+        **options: :class:`MKORConfig` fields.
+
+    Raises:
+        ConfigError: on an invalid option, naming the field and the allowed values.
+    """
+
+    config_type: ClassVar[type[Rank1Config]] = MKORConfig
+    interval_field: ClassVar[str] = "inv_update_steps"
+    config: MKORConfig
+    layers: list[MKORLayer]
+
+    def _make_layer(self, name: str, helper: LayerHelper) -> MKORLayer:
+        storage = self.config.inverse_dtype or self.config.dtype
+        return MKORLayer(name, helper, dtype=self.dtype, storage_dtype=getattr(torch, storage),
+                         grad_multiplier=self._grad_multiplier)
+
+    def _stat_decay(self) -> float:
+        return self._hyper("stat_decay", low=0.0, high=1.0, low_inclusive=False,
+                           high_inclusive=False)
+
+    def _update_layer(self, layer: MKORLayer, a: Tensor, g: Tensor) -> None:
+        cfg = self.config
+        layer.update(a, g, gamma=self._stat_decay(), rule=cfg.update_rule,
+                     epsilon=cfg.epsilon, zeta=cfg.zeta)
+
+    def _precondition(self, layer: MKORLayer, grad: Tensor) -> Tensor:
+        return layer.precondition(grad)
+
+    def _scale_and_write(self, grads: dict[str, Tensor | None],
+                         preconditioned: dict[str, Tensor]) -> None:
+        for layer in self.layers:
+            p = preconditioned.get(layer.name)
+            grad = grads[layer.name]
+            if p is None or grad is None:
+                continue
+            if self.config.rescale:
+                p = rescale_to_gradient(p, grad.to(p.dtype))
+            layer.helper.set_grad(p)
+
+    def metrics(self) -> dict[str, float]:
+        """Stage times, communication volume, stabiliser firings and update failures."""
+        out = super().metrics()
+        out["stabilisations"] = float(sum(x.stabilisations for x in self.layers))
+        out["update_failures"] = float(sum(x.update_failures for x in self.layers))
+        out["stat_decay"] = self._stat_decay()
+        return out
+

@@ -1,0 +1,435 @@
+"""Rank-1 (Kronecker-vector) statistics and the preconditioner skeleton MKOR and Eva share.
+
+Both methods summarise a layer's curvature by two vectors per update instead of two matrices:
+the mean input row ``ā`` and a mean output-gradient row ``ḡ`` (KFAC_MATH.md "MKOR"). This module
+computes those vectors from captured tensors (through the per-layer-type helpers of
+``core.layers``), averages them across ranks with one all-reduce of all layers' concatenated
+vectors, and runs the step as timed stages:
+
+capture (hooks) → statistics → all-reduce (``factor_comm``) → per-layer update (``inversion``)
+→ precondition → scale and write back.
+
+Subclasses (:class:`core.mkor.MKORPreconditioner`, :class:`core.eva.EvaPreconditioner`) supply the
+per-layer state, what an update does with the averaged vectors, how a gradient is preconditioned
+and how the results are scaled.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from core.capture import CaptureHooks
+from core.config import (
+    check_choice,
+    check_number,
+    check_schedulable,
+    check_skip_layers,
+    config_from_options,
+    resolve_interval,
+)
+from core.factors import RunningFactor
+from core.hyper import value_at
+from core.layers import LayerHelper, helper_for
+from core.preconditioner import discover_layers
+from core.timing import StageTimer
+
+#: Module-name regex of the BERT pre-training decoder over the vocabulary (HuggingFace's and
+#: NVIDIA's ``BertForPreTraining``): MKOR leaves it first-order, as the paper and its code do.
+BERT_DECODER_PATTERN = r"(^|\.)cls\.predictions\.decoder$"
+
+COMPUTE_DTYPES = ("float32", "float64")
+WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def activation_vector(helper: LayerHelper, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``ā``: the mean over all rows of a captured layer input (bias entry 1 appended).
+
+    For Conv2d this is each example's spatial mean of its im2col patches, then the batch mean
+    (all examples have the same number of locations, so it is the mean over all rows). Rows are
+    affine in each example's input, so the batch mean is taken first: the im2col rows of one
+    averaged example, not of the whole batch, are materialised.
+    """
+    return helper.a_rows(x.to(dtype).mean(dim=0, keepdim=True)).rows.mean(dim=(0, 1))
+
+
+def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
+                    per_example: bool) -> Tensor:
+    """A mean output-gradient row of a captured output gradient ``g`` (as autograd hands it).
+
+    Args:
+        helper: The layer's helper.
+        gy: Gradient of the layer output for a loss that is a mean over the ``B`` examples.
+        dtype: Arithmetic and result dtype.
+        per_example: True for MKOR's statistic, the mean over rows of ``R·g`` (Linear, 2-D or
+            3-D with ``R = B·T`` rows; that is ``Σ g``) and, for Conv2d, the batch mean of each
+            example's ``B Σ_t g_t / L`` (that is ``Σ g / L``); this is the official code's
+            scaling. False for Eva's statistic, the plain mean of ``g`` over rows, which is what
+            Eva's code uses and what its damping values are tuned against.
+    """
+    rows = helper.g_rows(gy)
+    mean = rows.rows.to(dtype).mean(dim=(0, 1))
+    if not per_example:
+        return mean
+    return mean * (rows.batch if rows.spatial else rows.batch * rows.positions)
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _average_across_ranks(tensor: Tensor) -> Tensor:
+    """Average ``tensor`` over all ranks, in place: one SUM all-reduce, one division by P.
+
+    The official MKOR code averages twice (``ReduceOp.AVG`` and then a division by the world
+    size in its ``sync``), so its vectors come out divided by ``P²``; this divides exactly once.
+    Without an initialised process group of more than one rank it returns ``tensor`` unchanged.
+    """
+    world = _world_size()
+    if world > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor.div_(world)
+    return tensor
+
+
+@dataclass(kw_only=True)
+class Rank1Config:
+    """Options shared by the rank-1 preconditioners (MKOR, Eva).
+
+    Attributes:
+        skip_layers: Module-name regexes or module classes left first-order. The default skips
+            BERT's decoder over the vocabulary (its weight is tied to the word embeddings, and
+            MKOR's paper and code leave it to the first-order optimizer).
+        vocab_size_threshold: Also skip every ``nn.Linear`` with ``out_features`` at least this
+            (a vocabulary projection under another name); None disables the rule.
+        accumulation_steps: Micro-batches per step; the loss is assumed divided by it.
+        dtype: Precision of the statistics and of the update arithmetic ("float32"/"float64").
+        comm_dtype: Dtype of the concatenated vectors on the wire (e.g. "float16" halves the
+            traffic, as in the MKOR paper); None sends them in ``dtype``.
+    """
+
+    skip_layers: Sequence[str | type[nn.Module]] = field(
+        default_factory=lambda: (BERT_DECODER_PATTERN,))
+    vocab_size_threshold: int | None = None
+    accumulation_steps: int = 1
+    dtype: str = "float32"
+    comm_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        check_skip_layers(self.skip_layers)
+        if self.vocab_size_threshold is not None:
+            check_number("vocab_size_threshold", self.vocab_size_threshold, low=1, integer=True)
+        check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
+        check_choice("dtype", self.dtype, COMPUTE_DTYPES)
+        if self.comm_dtype is not None:
+            check_choice("comm_dtype", self.comm_dtype, WIRE_DTYPES)
+
+
+class Rank1Layer:
+    """Captured statistics of one module; subclasses add the method's per-layer state.
+
+    Micro-step vectors (gradient accumulation, or a module called several times per forward)
+    are summed and averaged when the step takes them, like K-FAC's pending batch factors.
+
+    Args:
+        name: The module's qualified name.
+        helper: The layer-type helper.
+        dtype: Arithmetic dtype of the statistics.
+        grad_multiplier: Returns the factor by which captured output gradients are multiplied
+            (accumulation steps over the AMP loss scale), read at capture time.
+
+    Attributes:
+        per_example: Which gradient statistic the method uses (see :func:`gradient_vector`).
+    """
+
+    per_example: ClassVar[bool] = True
+
+    def __init__(self, name: str, helper: LayerHelper, *, dtype: torch.dtype,
+                 grad_multiplier: Callable[[], float]) -> None:
+        self.name = name
+        self.helper = helper
+        self.dtype = dtype
+        self.grad_multiplier = grad_multiplier
+        self.a = RunningFactor()
+        self.g = RunningFactor()
+
+    @property
+    def a_dim(self) -> int:
+        return self.helper.a_dim
+
+    @property
+    def g_dim(self) -> int:
+        return self.helper.g_dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.helper.weight.device
+
+    def capture_input(self, x: Tensor) -> None:
+        """Accumulate ``ā`` of one forward call."""
+        self.a.accumulate(activation_vector(self.helper, x, self.dtype))
+
+    def capture_grad_output(self, gy: Tensor) -> None:
+        """Accumulate the gradient statistic of one backward call."""
+        vector = gradient_vector(self.helper, gy, self.dtype, per_example=self.per_example)
+        self.g.accumulate(vector * self.grad_multiplier())
+
+    def take_vectors(self) -> Tensor:
+        """``[ā; ḡ]`` of this step (zeros for a layer that was not captured), pending cleared."""
+        a, g = self.a.take_batch(), self.g.take_batch()
+        if a is None or g is None:
+            warnings.warn(f"{self.name}: no statistics were captured on an update step (was the "
+                          "module called in the forward pass?); sending zeros", stacklevel=3)
+            return torch.zeros(self.a_dim + self.g_dim, dtype=self.dtype, device=self.device)
+        return torch.cat([a, g])
+
+    def discard_pending(self) -> None:
+        """Forget this step's captured vectors (an overflowed AMP step)."""
+        self.a.discard_pending()
+        self.g.discard_pending()
+
+    def pending_bytes(self) -> int:
+        """Bytes of the not yet consumed micro-step vectors."""
+        return nbytes(self.a.pending, self.g.pending)
+
+    # Per-method state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def memory_usage(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+def nbytes(*tensors: Tensor | None) -> int:
+    """Bytes held by the given tensors (None entries count zero)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Rank1Preconditioner:
+    """The step shared by MKOR and Eva; see the module docstring.
+
+    Subclasses set :attr:`config_type`, :attr:`interval_field` (the config field giving the
+    update interval) and implement :meth:`_make_layer`, :meth:`_update_layer`,
+    :meth:`_precondition` and :meth:`_scale_and_write`.
+
+    Args:
+        model: The model (or its DDP wrapper). Gradients must already be averaged across ranks
+            (DDP does this) when :meth:`step` runs.
+        config: A ready configuration; or give its fields as keyword arguments.
+        grad_scaler: An AMP ``GradScaler`` whose scale is divided out of captured gradients.
+            Unscale the gradients (``scaler.unscale_(optimizer)``) before ``step()``.
+        **options: Fields of :attr:`config_type`.
+
+    Raises:
+        ConfigError: on an invalid option, naming the field and the allowed values.
+    """
+
+    config_type: ClassVar[type[Rank1Config]] = Rank1Config
+    interval_field: ClassVar[str] = ""
+
+    def __init__(self, model: nn.Module, config: Rank1Config | None = None, *,
+                 grad_scaler: Any = None, **options: Any) -> None:
+        self.config = config_from_options(self.config_type, config, options)
+        self.grad_scaler = grad_scaler
+        self.dtype: torch.dtype = getattr(torch, self.config.dtype)
+        self.comm_dtype: torch.dtype = getattr(torch, self.config.comm_dtype or self.config.dtype)
+        self.steps = 0
+        self.skipped_overflow_steps = 0
+        self._loss_scale_cache: float | None = None
+        self.comm_last: dict[str, Any] = {}
+
+        threshold = self.config.vocab_size_threshold
+        self.layers = [
+            self._make_layer(name, helper)
+            for name, module in discover_layers(model, self.config.skip_layers)
+            if (helper := helper_for(module)) is not None
+            and not (threshold is not None and isinstance(module, nn.Linear)
+                     and module.out_features >= threshold)
+        ]
+        if not self.layers:
+            warnings.warn(f"{type(self).__name__} found no supported layers (Linear, Conv2d); "
+                          "step() leaves every gradient first-order", stacklevel=2)
+        params = list(model.parameters())
+        self.timer = StageTimer(synchronize_cuda=bool(params) and params[0].is_cuda)
+        self._capturing = self._update_due(0)
+        self._hooks = [self._register(layer) for layer in self.layers]
+
+    # Hooks -----------------------------------------------------------------------------------
+    def _register(self, layer: Rank1Layer) -> CaptureHooks:
+        def on_input(x: Tensor) -> None:
+            with self.timer.stage("factors"):
+                layer.capture_input(x)
+
+        def on_grad_output(gy: Tensor) -> None:
+            with self.timer.stage("factors"):
+                layer.capture_grad_output(gy)
+
+        return CaptureHooks(layer.helper.module, on_input=on_input,
+                            on_grad_output=on_grad_output, enabled=lambda: self._capturing)
+
+    def _grad_multiplier(self) -> float:
+        """``accumulation_steps / loss_scale``: undo the loss division and the AMP scale.
+
+        The scale is read at the first capture of a step (the scaler updates it after the
+        optimizer step, so reading it later would use the next step's scale).
+        """
+        if self._loss_scale_cache is None:
+            scale = 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
+            self._loss_scale_cache = scale
+        return self.config.accumulation_steps / self._loss_scale_cache
+
+    def _update_due(self, step: int) -> bool:
+        interval = getattr(self.config, self.interval_field)
+        return step % resolve_interval(self.interval_field, interval, step) == 0
+
+    # The step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition this step's gradients (after ``backward``, before the optimizer).
+
+        Rewrites ``.grad`` of the preconditioned layers in place; other parameters keep their
+        raw gradients. A step with non-finite gradients (an AMP overflow) is left first-order
+        and its captured statistics are dropped.
+        """
+        self.comm_last = {}
+        grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
+        present = [g for g in grads.values() if g is not None]
+        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
+            self.skipped_overflow_steps += 1
+            for layer in self.layers:
+                layer.discard_pending()
+            self._end_step()
+            return
+        if self._capturing and self.layers:
+            with self.timer.stage("factors"):
+                vector = torch.cat([layer.take_vectors() for layer in self.layers])
+            with self.timer.stage("factor_comm"):
+                vector = self._communicate(vector)
+            with self.timer.stage("inversion"):
+                offset = 0
+                for layer in self.layers:
+                    a = vector[offset:offset + layer.a_dim]
+                    g = vector[offset + layer.a_dim:offset + layer.a_dim + layer.g_dim]
+                    offset += layer.a_dim + layer.g_dim
+                    if bool(a.any()) or bool(g.any()):
+                        self._update_layer(layer, a, g)
+        preconditioned: dict[str, Tensor] = {}
+        with self.timer.stage("precondition"):
+            for layer in self.layers:
+                grad = grads[layer.name]
+                if grad is not None:
+                    p = self._precondition(layer, grad.to(self.dtype))
+                    if p is not None:
+                        preconditioned[layer.name] = p
+        with self.timer.stage("scale"):
+            self._scale_and_write(grads, preconditioned)
+        self._end_step()
+
+    def _communicate(self, vector: Tensor) -> Tensor:
+        """Average the concatenated vectors of all layers across ranks.
+
+        This is the single call site of second-order communication: the vector is cast to the
+        wire dtype, averaged by :func:`_average_across_ranks`, and what travelled is recorded in
+        :attr:`comm_last` (stage, operation, dtype, elements, bytes, group size: the fields of
+        the communication ledger, which hooks in here). Nothing travels on one process.
+        """
+        world = _world_size()
+        if world == 1:
+            return vector
+        wire = vector.to(self.comm_dtype)
+        _average_across_ranks(wire)
+        record = {"stage": "factor_comm", "operation": "all_reduce",
+                  "dtype": str(self.comm_dtype).removeprefix("torch."),
+                  "elements": wire.numel(), "bytes": wire.numel() * wire.element_size(),
+                  "group_size": world}
+        self.comm_last = record
+        return wire.to(vector.dtype)
+
+    def _hyper(self, name: str, **bounds: Any) -> float:
+        """A constant-or-scheduled config value at this step, checked against ``bounds``."""
+        value = value_at(getattr(self.config, name), self.steps)
+        check_schedulable(name, value, **bounds)
+        return float(value)
+
+    def _update_layer(self, layer: Any, a: Tensor, g: Tensor) -> None:
+        """Consume the rank-averaged vectors ``ā``, ``ḡ`` of ``layer`` on an update step."""
+        raise NotImplementedError
+
+    def _precondition(self, layer: Any, grad: Tensor) -> Tensor | None:
+        """The preconditioned gradient matrix of ``layer``, or None to keep it raw."""
+        raise NotImplementedError
+
+    def _scale_and_write(self, grads: dict[str, Tensor | None],
+                         preconditioned: dict[str, Tensor]) -> None:
+        """Scale the preconditioned matrices and write them into ``.grad``."""
+        raise NotImplementedError
+
+    def _make_layer(self, name: str, helper: LayerHelper) -> Rank1Layer:
+        raise NotImplementedError
+
+    def _end_step(self) -> None:
+        self.steps += 1
+        self._capturing = self._update_due(self.steps)
+        self._loss_scale_cache = None
+        self.timer.end_step()
+
+    # Reporting and state ---------------------------------------------------------------------
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes held per kind (the subclass's per-layer kinds, ``buffers``) and ``total``."""
+        usage: dict[str, int] = {"buffers": 0}
+        for layer in self.layers:
+            for key, value in layer.memory_usage().items():
+                usage[key] = usage.get(key, 0) + value
+            usage["buffers"] += layer.pending_bytes()
+        usage["total"] = sum(usage.values())
+        return usage
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars worth logging each step: stage times, communication volume, skip counter."""
+        out: dict[str, float] = {f"time/{k}": v for k, v in self.timer.last.items()}
+        out["comm/elements"] = float(self.comm_last.get("elements", 0))
+        out["comm/bytes"] = float(self.comm_last.get("bytes", 0))
+        out["skipped_overflow_steps"] = float(self.skipped_overflow_steps)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, counters and per-layer state (tensors cloned)."""
+        return {
+            "steps": self.steps,
+            "skipped_overflow_steps": self.skipped_overflow_steps,
+            "layers": {layer.name: layer.state_dict() for layer in self.layers},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; the model's preconditioned layers must match."""
+        names = {layer.name for layer in self.layers}
+        if set(state["layers"]) != names:
+            missing = sorted(names - set(state["layers"]))
+            extra = sorted(set(state["layers"]) - names)
+            raise ValueError(f"preconditioner state does not match the model's layers "
+                             f"(missing {missing}, unexpected {extra})")
+        for layer in self.layers:
+            layer.load_state_dict(state["layers"][layer.name])
+        self.steps = int(state["steps"])
+        self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
+        self._capturing = self._update_due(self.steps)
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (the preconditioner stops capturing)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.layers)} layers, {self.config})"

@@ -1,0 +1,110 @@
+"""Eva: closed form against the dense inverse, statistics, running averages and the KL clip."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core import ConfigError, EvaPreconditioner
+from core.eva import eva_precondition
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("damping", [1e-3, 0.03, 1.0])
+def test_closed_form_equals_the_dense_inverse(damping: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(5, generator=gen, dtype=F64)
+    g = torch.randn(3, generator=gen, dtype=F64)
+    grad = torch.randn(3, 5, generator=gen, dtype=F64)
+    v = torch.kron(g, a)  # vec of the (g_dim, a_dim) matrix g aᵀ, row-major like grad.flatten()
+    dense = torch.linalg.inv(torch.outer(v, v) + damping * torch.eye(15, dtype=F64))
+    expected = (dense @ grad.flatten()).reshape(3, 5)
+    torch.testing.assert_close(eva_precondition(grad, a, g, damping), expected,
+                               rtol=1e-10, atol=1e-10)
+
+
+def _captured(model: nn.Module, x: torch.Tensor, **options: object
+              ) -> tuple[EvaPreconditioner, torch.Tensor, torch.Tensor]:
+    """One Eva step; returns Eva, the output gradient and the raw gradient matrix."""
+    eva = EvaPreconditioner(model, dtype="float64", **options)
+    y = model(x)
+    y.retain_grad()
+    (y.cos().sum(dim=tuple(range(1, y.dim()))) ** 2).mean().backward()
+    layer = model[0]
+    raw = torch.cat([layer.weight.grad.reshape(layer.weight.shape[0], -1),
+                     layer.bias.grad.reshape(-1, 1)], dim=1).clone()
+    eva.step()
+    return eva, y.grad, raw
+
+
+def test_statistics_are_plain_means_and_the_step_is_the_clipped_closed_form() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 3)).to(F64)
+    x = torch.randn(2, 6, 4, dtype=F64)
+    damping, kl_clip, lr = 0.05, 1e-3, 0.5
+    eva, gy, raw = _captured(model, x, damping=damping, kl_clip=kl_clip, lr=lr)
+    layer = eva.layers[0]
+    a = torch.cat([x.reshape(12, 4).mean(0), torch.ones(1, dtype=F64)])
+    g = gy.reshape(12, 3).mean(0)  # Eva's convention: the plain mean of g
+    torch.testing.assert_close(layer.a.value, a)
+    torch.testing.assert_close(layer.g.value, g)
+    p = eva_precondition(raw, a, g, damping)
+    nu = min(1.0, math.sqrt(kl_clip / abs(lr**2 * (p * raw).sum().item())))
+    assert eva.last_kl_scale == pytest.approx(nu)
+    torch.testing.assert_close(model[0].weight.grad, nu * p[:, :4])
+    torch.testing.assert_close(model[0].bias.grad, nu * p[:, 4])
+
+
+def test_conv_statistics_and_running_average() -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2)).to(F64)
+    decay = 0.3
+    eva = EvaPreconditioner(model, dtype="float64", factor_decay=decay, kl_clip=None)
+    expected_a = expected_g = None
+    for _ in range(3):
+        model.zero_grad()
+        x = torch.randn(4, 2, 5, 5, dtype=F64)
+        y = model(x)
+        y.retain_grad()
+        (y**2).mean().backward()
+        patches = F.unfold(x, 3, padding=1, stride=2).transpose(1, 2)  # (B, L, 18)
+        a = torch.cat([patches.mean(dim=(0, 1)), torch.ones(1, dtype=F64)])
+        g = y.grad.mean(dim=(0, 2, 3))
+        expected_a = a if expected_a is None else decay * expected_a + (1 - decay) * a
+        expected_g = g if expected_g is None else decay * expected_g + (1 - decay) * g
+        eva.step()
+    torch.testing.assert_close(eva.layers[0].a.value, expected_a)
+    torch.testing.assert_close(eva.layers[0].g.value, expected_g)
+
+
+def test_state_dict_round_trip() -> None:
+    torch.manual_seed(3)
+    model = nn.Linear(3, 2)
+    eva = EvaPreconditioner(model)
+    F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 2)).backward()
+    eva.step()
+    other = EvaPreconditioner(nn.Linear(3, 2))
+    other.load_state_dict(eva.state_dict())
+    torch.testing.assert_close(other.layers[0].a.value, eva.layers[0].a.value)
+    assert other.steps == 1
+    with pytest.raises(ValueError, match="saved vector a has shape"):
+        EvaPreconditioner(nn.Linear(3, 2, bias=False)).load_state_dict(eva.state_dict())
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"damping": 0.0}, "damping"),
+    ({"factor_decay": 1.0}, "factor_decay"),
+    ({"kl_clip": -1.0}, "kl_clip"),
+    ({"factor_update_steps": 0}, "factor_update_steps"),
+    ({"stat_decay": 0.9}, "stat_decay"),
+])
+def test_config_errors_name_the_field(options: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        EvaPreconditioner(nn.Linear(2, 2), **options)
+    assert err.value.field_name == field

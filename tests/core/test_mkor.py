@@ -1,0 +1,438 @@
+"""MKOR: inverse-update rules, stabiliser, rescale, rank-1 statistics, averaging, training."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from core import ConfigError, MKORConfig, MKORPreconditioner
+from core.mkor import rescale_to_gradient, stabilise, update_inverse
+from core.rank1 import _average_across_ranks
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+def _random_vectors(n: int, d: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(d, generator=gen, dtype=F64) for _ in range(n)]
+
+
+# Inverse-update rules ------------------------------------------------------------------------
+@pytest.mark.parametrize("gamma", [0.5, 0.95])
+def test_exact_rule_is_inverse_of_the_recursion(gamma: float) -> None:
+    d = 6
+    factor = torch.eye(d, dtype=F64)
+    inverse = torch.eye(d, dtype=F64)
+    for v in _random_vectors(8, d):
+        factor = gamma * factor + (1 - gamma) * torch.outer(v, v)
+        inverse = update_inverse(inverse, v, gamma, "exact")
+        torch.testing.assert_close(inverse, torch.linalg.inv(factor), rtol=1e-10, atol=1e-10)
+
+
+def test_paper_rule_is_the_printed_formula_and_differs_from_exact() -> None:
+    gamma, d = 0.9, 5
+    start = torch.linalg.inv(torch.eye(d, dtype=F64) + 0.3 * torch.ones(d, d, dtype=F64))
+    v = _random_vectors(1, d, seed=1)[0]
+    col = v.reshape(-1, 1)
+    quad = (col.T @ start @ col).item()
+    printed = gamma * start + (1 - gamma) / (gamma**2 * (1 + gamma * (1 - gamma) * quad)) * (
+        start @ col @ col.T @ start)
+    result = update_inverse(start, v, gamma, "paper")
+    torch.testing.assert_close(result, printed, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(result, update_inverse(start, v, gamma, "exact"))
+
+
+def test_official_rule_blends_the_inverse_then_adds_an_unweighted_rank_one_term() -> None:
+    gamma, d = 0.95, 5
+    start = torch.linalg.inv(torch.eye(d, dtype=F64) + 0.3 * torch.ones(d, d, dtype=F64))
+    v = _random_vectors(1, d, seed=2)[0]
+    blended = gamma * start + (1 - gamma) * torch.eye(d, dtype=F64)
+    # Sherman–Morrison of the code: (M⁻¹ + v vᵀ)⁻¹ with M the blended inverse.
+    expected = torch.linalg.inv(torch.linalg.inv(blended) + torch.outer(v, v))
+    torch.testing.assert_close(update_inverse(start, v, gamma, "official"), expected,
+                               rtol=1e-10, atol=1e-10)
+
+
+# Stabiliser and rescale ----------------------------------------------------------------------
+def test_stabiliser_blends_towards_identity_above_epsilon_only() -> None:
+    inverse = torch.tensor([[3.0, 1.0], [1.0, 0.5]], dtype=F64)
+    blended, fired = stabilise(inverse, epsilon=2.0, zeta=0.9)
+    assert fired
+    torch.testing.assert_close(blended, 0.9 * inverse + 0.1 * torch.eye(2, dtype=F64))
+    assert not torch.allclose(blended, torch.eye(2, dtype=F64))  # blends, never resets to I
+    same, fired = stabilise(inverse, epsilon=3.0, zeta=0.9)  # max |entry| = 3 is not > 3
+    assert not fired and same is inverse
+
+
+def test_rescale_keeps_the_direction_and_takes_the_gradient_norm() -> None:
+    p = torch.tensor([[3.0, 4.0]], dtype=F64)
+    grad = torch.tensor([[0.0, 10.0]], dtype=F64)
+    out = rescale_to_gradient(p, grad)
+    torch.testing.assert_close(out, p * 2.0)  # ‖∇W̄‖ / ‖P‖ = 10 / 5
+    zero = torch.zeros_like(p)
+    assert rescale_to_gradient(zero, grad) is grad
+
+
+# Rank-1 statistics ---------------------------------------------------------------------------
+def _explicit_conv_patches(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """im2col by loops: (B, L, c_in·k_h·k_w [+1]) rows in channel-major order."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = (conv.kernel_size, conv.stride, conv.padding,
+                                              conv.dilation)
+    padded = F.pad(x, (pw, pw, ph, ph))
+    b, _, h, w = padded.shape
+    out_h = (h - dh * (kh - 1) - 1) // sh + 1
+    out_w = (w - dw * (kw - 1) - 1) // sw + 1
+    rows = []
+    for n in range(b):
+        per_example = []
+        for i in range(out_h):
+            for j in range(out_w):
+                patch = padded[n, :, i * sh:i * sh + dh * (kh - 1) + 1:dh,
+                               j * sw:j * sw + dw * (kw - 1) + 1:dw]
+                row = patch.reshape(-1)
+                if conv.bias is not None:
+                    row = torch.cat([row, row.new_ones(1)])
+                per_example.append(row)
+        rows.append(torch.stack(per_example))
+    return torch.stack(rows)
+
+
+def _statistics_after_one_step(layer: nn.Module, x: torch.Tensor
+                               ) -> tuple[MKORPreconditioner, torch.Tensor]:
+    """Run one captured step on ``layer`` alone; return MKOR and the output gradient."""
+    model = nn.Sequential(layer).to(F64)
+    mkor = MKORPreconditioner(model, inv_update_steps=1, dtype="float64", epsilon=math.inf)
+    y = model(x)
+    y.retain_grad()
+    (y.sin().sum(dim=tuple(range(1, y.dim()))) ** 2).mean().backward()
+    mkor.step()
+    assert y.grad is not None
+    return mkor, y.grad
+
+
+def test_statistics_linear_2d() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(7, 4, dtype=F64)
+    mkor, gy = _statistics_after_one_step(nn.Linear(4, 3), x)
+    layer = mkor.layers[0]
+    torch.testing.assert_close(layer.a_vec, torch.cat([x.mean(0), torch.ones(1, dtype=F64)]))
+    torch.testing.assert_close(layer.g_vec, (7 * gy).mean(0))  # mean over rows of R·g
+
+
+def test_statistics_linear_3d() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 4, dtype=F64)
+    mkor, gy = _statistics_after_one_step(nn.Linear(4, 2, bias=False), x)
+    layer = mkor.layers[0]
+    torch.testing.assert_close(layer.a_vec, x.reshape(15, 4).mean(0))
+    torch.testing.assert_close(layer.g_vec, (15 * gy.reshape(15, 2)).mean(0))
+
+
+def test_statistics_conv2d_with_stride_padding_dilation_and_bias() -> None:
+    torch.manual_seed(2)
+    conv = nn.Conv2d(2, 3, kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), dilation=(2, 1))
+    x = torch.randn(4, 2, 7, 6, dtype=F64)
+    mkor, gy = _statistics_after_one_step(conv, x)
+    layer = mkor.layers[0]
+    patches = _explicit_conv_patches(x, conv.to(F64))
+    b, locations = patches.shape[:2]
+    # ā: each example's spatial mean of its patches, then the batch mean.
+    torch.testing.assert_close(layer.a_vec, patches.mean(dim=1).mean(dim=0))
+    # ḡ: per example B·Σ_t g_t / L, then the batch mean.
+    per_example = b * gy.flatten(2).sum(dim=2) / locations
+    torch.testing.assert_close(layer.g_vec, per_example.mean(dim=0))
+
+
+def test_gradient_accumulation_gives_the_full_batch_statistics() -> None:
+    torch.manual_seed(3)
+    x = torch.randn(8, 5, dtype=F64)
+    target = torch.randn(8, 2, dtype=F64)
+    vectors = []
+    for micro in (1, 2):
+        torch.manual_seed(4)
+        model = nn.Linear(5, 2).to(F64)
+        mkor = MKORPreconditioner(model, inv_update_steps=1, dtype="float64",
+                                  accumulation_steps=micro)
+        for xb, tb in zip(x.chunk(micro), target.chunk(micro), strict=True):
+            (F.mse_loss(model(xb), tb) / micro).backward()
+        mkor.step()
+        vectors.append(torch.cat([mkor.layers[0].a_vec, mkor.layers[0].g_vec]))
+    torch.testing.assert_close(vectors[0], vectors[1])
+
+
+# The step --------------------------------------------------------------------------------
+def test_first_step_preconditions_with_the_updated_inverses_and_rescales() -> None:
+    torch.manual_seed(5)
+    model = nn.Linear(4, 3).to(F64)
+    gamma = 0.8
+    mkor = MKORPreconditioner(model, inv_update_steps=1, stat_decay=gamma, dtype="float64")
+    x = torch.randn(6, 4, dtype=F64)
+    F.mse_loss(model(x), torch.randn(6, 3, dtype=F64)).backward()
+    raw = torch.cat([model.weight.grad, model.bias.grad.reshape(-1, 1)], dim=1).clone()
+    mkor.step()
+    layer = mkor.layers[0]
+    a, g = layer.a_vec, layer.g_vec
+    left = torch.linalg.inv(gamma * torch.eye(3, dtype=F64) + (1 - gamma) * torch.outer(g, g))
+    right = torch.linalg.inv(gamma * torch.eye(5, dtype=F64) + (1 - gamma) * torch.outer(a, a))
+    p = left @ raw @ right
+    expected = p * raw.norm() / p.norm()
+    torch.testing.assert_close(model.weight.grad, expected[:, :4])
+    torch.testing.assert_close(model.bias.grad, expected[:, 4])
+
+
+@pytest.mark.parametrize("rule", ["exact", "paper", "official"])
+def test_the_step_applies_the_chosen_rule_over_several_updates(rule: str) -> None:
+    torch.manual_seed(12)
+    model = nn.Linear(3, 2).to(F64)
+    gamma = 0.7
+    mkor = MKORPreconditioner(model, inv_update_steps=1, stat_decay=gamma, update_rule=rule,
+                              dtype="float64", epsilon=math.inf)
+    left, right = torch.eye(2, dtype=F64), torch.eye(4, dtype=F64)
+    for _ in range(4):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(5, 3, dtype=F64)), torch.randn(5, 2, dtype=F64)).backward()
+        mkor.step()
+        layer = mkor.layers[0]
+        left = update_inverse(left, layer.g_vec, gamma, rule)
+        right = update_inverse(right, layer.a_vec, gamma, rule)
+        torch.testing.assert_close(layer.g_inv, left)
+        torch.testing.assert_close(layer.a_inv, right)
+
+
+def test_inverses_change_only_on_update_steps_but_every_step_is_preconditioned() -> None:
+    torch.manual_seed(6)
+    model = nn.Linear(3, 2)
+    mkor = MKORPreconditioner(model, inv_update_steps=3)
+    snapshots = []
+    for step in range(4):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(5, 3)), torch.randn(5, 2)).backward()
+        raw = model.weight.grad.clone()
+        mkor.step()
+        snapshots.append(mkor.layers[0].a_inv.clone())
+        if step > 0:
+            assert not torch.allclose(model.weight.grad, raw)
+    assert not torch.equal(snapshots[0], torch.eye(4))  # step 0 updates
+    assert torch.equal(snapshots[1], snapshots[0]) and torch.equal(snapshots[2], snapshots[0])
+    assert not torch.equal(snapshots[3], snapshots[0])  # step 3 updates
+
+
+def test_half_precision_inverse_storage() -> None:
+    torch.manual_seed(7)
+    results = {}
+    for storage in (None, "float16"):
+        torch.manual_seed(8)
+        model = nn.Linear(6, 4)
+        mkor = MKORPreconditioner(model, inv_update_steps=1, inverse_dtype=storage)
+        F.mse_loss(model(torch.randn(10, 6)), torch.randn(10, 4)).backward()
+        mkor.step()
+        results[storage] = (model.weight.grad.clone(), mkor.memory_usage()["inverses"],
+                            mkor.layers[0].a_inv.dtype)
+    assert results["float16"][2] == torch.float16
+    assert results["float16"][1] * 2 == results[None][1]
+    torch.testing.assert_close(results["float16"][0], results[None][0], rtol=1e-2, atol=1e-3)
+
+
+def test_an_update_out_of_range_for_the_storage_dtype_is_skipped_and_counted() -> None:
+    torch.manual_seed(13)
+    model = nn.Linear(3, 2)
+    # γ = 0.01 and no stabiliser: unexcited directions of R⁻¹ grow 100-fold per update, past
+    # fp16's range (65504) on the third update.
+    mkor = MKORPreconditioner(model, inv_update_steps=1, stat_decay=0.01, epsilon=math.inf,
+                              inverse_dtype="float16")
+    for _ in range(3):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 2)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mkor.step()
+    assert mkor.metrics()["update_failures"] >= 1
+    assert all(torch.isfinite(t).all() for t in (mkor.layers[0].a_inv, mkor.layers[0].g_inv))
+    assert torch.isfinite(model.weight.grad).all()
+
+
+class _TinyBert(nn.Module):
+    """Named like HF's BertForPreTraining where it matters: ``cls.predictions.decoder``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.cls = nn.Module()
+        self.cls.predictions = nn.Module()
+        self.cls.predictions.decoder = nn.Linear(4, 50)
+        self.head = nn.Linear(4, 40)
+
+
+def test_bert_decoder_skipped_by_default_and_vocab_threshold() -> None:
+    names = [layer.name for layer in MKORPreconditioner(_TinyBert()).layers]
+    assert names == ["encoder", "head"]
+    names = [layer.name for layer in
+             MKORPreconditioner(_TinyBert(), vocab_size_threshold=40).layers]
+    assert names == ["encoder"]
+    names = [layer.name for layer in MKORPreconditioner(_TinyBert(), skip_layers=()).layers]
+    assert names == ["encoder", "cls.predictions.decoder", "head"]
+
+
+def test_hf_bert_decoder_is_skipped_by_default_and_the_rest_steps() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     max_position_embeddings=16)
+    torch.manual_seed(14)
+    model = transformers.BertForPreTraining(config)
+    mkor = MKORPreconditioner(model, inv_update_steps=1)
+    names = [layer.name for layer in mkor.layers]
+    assert "cls.predictions.decoder" not in names
+    assert "bert.encoder.layer.0.attention.self.query" in names  # 3-D Linear inputs
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids, next_sentence_label=torch.tensor([0, 1])).loss.backward()
+    mkor.step()
+    assert mkor.metrics()["update_failures"] == 0
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"update_rule": "approx"}, "update_rule"),
+    ({"stat_decay": 1.0}, "stat_decay"),
+    ({"inv_update_steps": 0}, "inv_update_steps"),
+    ({"epsilon": 0.0}, "epsilon"),
+    ({"zeta": 1.5}, "zeta"),
+    ({"inverse_dtype": "int8"}, "inverse_dtype"),
+    ({"comm_dtype": "float8"}, "comm_dtype"),
+    ({"vocab_size_threshold": 0}, "vocab_size_threshold"),
+    ({"damping": 0.1}, "damping"),
+])
+def test_config_errors_name_the_field(options: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        MKORPreconditioner(nn.Linear(2, 2), **options)
+    assert err.value.field_name == field
+
+
+def test_state_dict_round_trip_gives_the_same_next_step() -> None:
+    torch.manual_seed(9)
+    data = [(torch.randn(6, 3, 5, 5), torch.randint(0, 4, (6,))) for _ in range(4)]
+
+    def make() -> nn.Module:
+        torch.manual_seed(10)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(36, 4))
+
+    def run(model: nn.Module, mkor: MKORPreconditioner, batches: list) -> torch.Tensor:
+        for x, y in batches:
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            mkor.step()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    first = make()
+    mkor = MKORPreconditioner(first, inv_update_steps=2, config=None)
+    run(first, mkor, data[:3])
+    saved = mkor.state_dict()
+    second = make()
+    second.load_state_dict(first.state_dict())
+    resumed = MKORPreconditioner(second, config=MKORConfig(inv_update_steps=2))
+    resumed.load_state_dict(saved)
+    torch.testing.assert_close(run(second, resumed, data[3:]), run(first, mkor, data[3:]))
+
+
+# Averaging across ranks (2 gloo processes) -----------------------------------------------
+def _distributed_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        averaged = _average_across_ranks(torch.full((3,), float(rank + 1)))
+        torch.manual_seed(11)
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+        mkor = MKORPreconditioner(model, inv_update_steps=1, comm_dtype="float16")
+        x, target = _rank_batch(rank)
+        F.mse_loss(model(x), target).backward()
+        mkor.step()
+        torch.save({"averaged": averaged,
+                    "vectors": [(layer.a_vec, layer.g_vec) for layer in mkor.layers],
+                    "comm": mkor.comm_last}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(4, 2, 4, 4, generator=gen), torch.randn(4, 2, generator=gen)
+
+
+@pytest.mark.distributed
+def test_all_reduce_averages_dividing_by_the_world_size_once(tmp_path: Path) -> None:
+    world = 2
+    mp.spawn(_distributed_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
+             nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for result in results:
+        torch.testing.assert_close(result["averaged"], torch.full((3,), 1.5))
+    # Reference: each rank's local statistics, computed in this process, then averaged once.
+    local = []
+    for rank in range(world):
+        torch.manual_seed(11)
+        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+        mkor = MKORPreconditioner(model, inv_update_steps=1)
+        x, target = _rank_batch(rank)
+        F.mse_loss(model(x), target).backward()
+        mkor.step()
+        local.append([(layer.a_vec, layer.g_vec) for layer in mkor.layers])
+    for i in range(2):
+        for j in range(2):
+            expected = (local[0][i][j] + local[1][i][j]) / world
+            for result in results:  # fp16 on the wire
+                torch.testing.assert_close(result["vectors"][i][j], expected,
+                                           rtol=2e-3, atol=2e-3)
+    elements = (18 + 1 + 3) + (12 + 1 + 2)  # Σ (a_dim + g_dim), biases included
+    assert results[0]["comm"] == {"stage": "factor_comm", "operation": "all_reduce",
+                                  "dtype": "float16", "elements": elements,
+                                  "bytes": 2 * elements, "group_size": world}
+
+
+# Training ------------------------------------------------------------------------------
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def _fashion_mnist(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` training examples, parsed from the IDX files (images scaled to [0, 1])."""
+    with gzip.open(FASHION_MNIST / "train-images-idx3-ubyte.gz") as f:
+        images = np.frombuffer(f.read(16 + n * 784)[16:], dtype=np.uint8)
+    with gzip.open(FASHION_MNIST / "train-labels-idx1-ubyte.gz") as f:
+        labels = np.frombuffer(f.read(8 + n)[8:], dtype=np.uint8)
+    x = torch.from_numpy(images.astype(np.float32) / 255.0).reshape(n, 1, 28, 28)
+    return x, torch.from_numpy(labels.astype(np.int64))
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not FASHION_MNIST.exists(), reason="Fashion-MNIST is not installed")
+def test_mkor_with_sgd_lowers_the_loss_on_fashion_mnist() -> None:
+    torch.manual_seed(0)
+    x, y = _fashion_mnist(512)
+    model = nn.Sequential(nn.Conv2d(1, 8, 5, stride=2), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 12 * 12, 10))
+    mkor = MKORPreconditioner(model, inv_update_steps=5)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(40):
+        idx = torch.arange(step * 64, (step + 1) * 64) % 512
+        sgd.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        mkor.step()
+        sgd.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
+    assert mkor.metrics()["update_failures"] == 0
