@@ -32,11 +32,12 @@ test: setup lint
 run: setup
 	$(BIN)/python -m reproductions.demo
 
-# The docs site: the concept figures are regenerated, then the site is built into site/ (offline,
-# warnings are errors).
+# The results site: concept figures and reproduction pages are regenerated from the committed
+# results files, then the site is built into site/ (offline, warnings are errors).
 DOCS_ENV := NO_MKDOCS_2_WARNING=1
 docs: $(STAMP)
 	$(DOCS_ENV) $(BIN)/python -m scripts.make_concept_figures
+	$(DOCS_ENV) $(BIN)/python -m scripts.make_docs_pages
 	$(DOCS_ENV) $(BIN)/mkdocs build --strict
 
 serve-docs: docs
