@@ -343,8 +343,9 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], path: Path) -> str:
 
 
 def eval_metrics(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Names of the numeric evaluation metrics any run logged, sorted."""
-    return sorted({k for run in runs for e in run["evals"] for k in _numeric(e) if k != "step"})
+    """Names of the numeric evaluation metrics any run logged, sorted (not the step or epoch)."""
+    return sorted({k for run in runs for e in run["evals"] for k in _numeric(e)
+                   if k not in ("step", "epoch")})
 
 
 def plot_evals(runs: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) -> str:
@@ -379,21 +380,15 @@ def plot_stacked(runs: Sequence[Mapping[str, Any]], parts: Sequence[dict[str, fl
 
 
 def ledger_bytes(ledger: Mapping[str, Any] | None) -> dict[str, float]:
-    """Bytes per communication stage of one second-order update from a results ``ledger``.
+    """Bytes per communication stage from a results ``ledger``.
 
-    Reads ``ledger["per_step"]`` (else ``ledger["total"]``), a mapping of stage to bytes or to an
-    object with ``traffic_bytes`` or ``bytes``; {} when the run measured nothing.
+    The ledger maps each stage to the totals of one rank's ledger over the run
+    (``core.distributed``'s ``Ledger.summary()``: ``collectives``, ``elements``, ``bytes``,
+    ``traffic_bytes``); the bytes that rank received, ``traffic_bytes``, are what per-worker
+    tables compare. {} when the run measured nothing (a single process).
     """
-    if not ledger:
-        return {}
-    stages = ledger.get("per_step") or ledger.get("total") or {}
-    out = {}
-    for stage, value in stages.items():
-        if isinstance(value, Mapping):
-            value = value.get("traffic_bytes", value.get("bytes"))
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            out[stage] = float(value)
-    return out
+    return {stage: float(totals["traffic_bytes"]) for stage, totals in (ledger or {}).items()
+            if isinstance(totals, Mapping) and "traffic_bytes" in totals}
 
 
 def experiment_figures(paper: str, experiment: str, runs: Sequence[Mapping[str, Any]],
@@ -419,7 +414,7 @@ def experiment_figures(paper: str, experiment: str, runs: Sequence[Mapping[str, 
     comm = [{k: v / 2**20 for k, v in ledger_bytes(run["ledger"]).items()} for run in runs]
     if any(comm):
         figures.append(("communication per stage", plot_stacked(
-            runs, comm, "MiB per worker", "communication per stage",
+            runs, comm, "MiB received by one worker over the run", "communication per stage",
             img_dir / f"{stem}-comm.png")))
     memory = [{k: v / 2**20 for k, v in _numeric(run["memory"]).items()} for run in runs]
     if any(memory):

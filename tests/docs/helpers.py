@@ -16,8 +16,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 OPTIMIZERS = ("sgd", "kfac")
 STEPS = 12
 STAGE_SECONDS = {"factors": 0.5, "inversion": 1.25, "precondition": 0.25}
-LEDGER = {"per_step": {"factor_comm": {"bytes": 4 * 2**20, "traffic_bytes": 6 * 2**20},
-                       "grad_comm": {"bytes": 2 * 2**20, "traffic_bytes": 3 * 2**20}}}
+LEDGER = {"factor_comm": {"collectives": 2, "elements": 2**20, "bytes": 4 * 2**20,
+                          "traffic_bytes": 6 * 2**20},
+          "grad_comm": {"collectives": 1, "elements": 2**19, "bytes": 2 * 2**20,
+                        "traffic_bytes": 3 * 2**20}}
 MEMORY = {"optimizer_state": 48 * 2**20, "factors": 32 * 2**20}
 DEVIATION = "The data set is Fashion-MNIST, not ImageNet."
 TABLE_DEVIATION = "Ours runs on 4 simulated ranks."
@@ -59,7 +61,7 @@ def write_reproduction(root: Path, paper: str) -> Path:
             recorder.log_step(step, loss=2.0 * math.exp(-(index + 1) * step / STEPS),
                               time_s=0.1 + 0.05 * index, lr=0.1)
             if step % 4 == 3:
-                recorder.log_eval(step, accuracy=0.5 + 0.03 * step + 0.05 * index)
+                recorder.log_eval(step, epoch=step / 4, accuracy=0.5 + 0.03 * step + 0.05 * index)
         recorder.update(optimizer_stage_time_s=STAGE_SECONDS, ledger=LEDGER, memory=MEMORY,
                         summary={"final_loss": 0.5 - 0.1 * index, "time_to_target_s": 1.5})
         recorder.finish()

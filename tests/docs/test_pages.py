@@ -56,6 +56,7 @@ def test_runs_figures_and_configurations(generated: Path) -> None:
     for name in figures:
         assert f"](img/{name})" in page
         assert (generated / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![evaluation curves: accuracy](img/mkor-default-eval.png)" in page  # not the epoch
     for optimizer in OPTIMIZERS:
         assert f'??? note "Configuration of {optimizer} (seed 0)"' in page
         assert f"| {optimizer} (seed 0) | 11 |" in page  # the last step
