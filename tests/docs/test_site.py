@@ -30,7 +30,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_every_page_is_built(site: Path) -> None:
-    for page in ("index.html", "faq/index.html",
+    for page in ("index.html", "faq/index.html", "tracking/index.html",
                  "concepts/distribution/index.html", "api/kfac/index.html",
                  "reproductions/index.html"):
         assert (site / page).is_file(), page
