@@ -152,12 +152,10 @@ class PaperResults:
         return not self.runs and not self.tables
 
 
-def _require(mapping: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str
-             ) -> Any:
+def _require(mapping: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     value = mapping.get(key)
     if not isinstance(value, kind):
-        raise PagesError(f"{where}: field '{key}' must be a {getattr(kind, '__name__', kind)}, "
-                         f"got {value!r}")
+        raise PagesError(f"{where}: field '{key}' must be a {kind.__name__}, got {value!r}")
     return value
 
 
@@ -235,20 +233,20 @@ def read_paper(directory: Path) -> PaperResults:
         directory: ``reproductions/<paper>``; it may be missing.
 
     Raises:
-        PagesError: a tables file breaks its schema.
+        PagesError: a JSON file does not parse, or a tables file breaks its schema.
         reproductions.common.results.ResultsError: a run results file breaks its schema.
     """
     found = PaperResults()
     for path in sorted((directory / "results").glob("**/*.json")):
         try:
-            schema = json.loads(path.read_text(encoding="utf-8")).get("schema")
-        except (json.JSONDecodeError, AttributeError):
-            schema = None
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise PagesError(f"{path}: not valid JSON ({exc})") from None
+        schema = data.get("schema") if isinstance(data, dict) else None
         if schema == RESULTS_SCHEMA:
             found.runs.append(load_results(path))
         elif schema == TABLES_SCHEMA:
-            found.tables.extend(parse_tables(json.loads(path.read_text(encoding="utf-8")),
-                                             str(path)))
+            found.tables.extend(parse_tables(data, str(path)))
         else:
             print(f"make_docs_pages: skipping {path}: schema {schema!r} is neither "
                   f"{RESULTS_SCHEMA!r} nor {TABLES_SCHEMA!r}", file=sys.stderr)
@@ -272,8 +270,7 @@ def run_label(run: Mapping[str, Any]) -> str:
 
 
 def fmt(value: Any, unit: str = "") -> str:
-    """A table cell: numbers to four significant digits with thousands separators, "—" for null.
-    """
+    """A table cell: four significant digits, thousands separators, "—" for null or NaN."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "—"
     if isinstance(value, bool):
@@ -545,6 +542,16 @@ def index_page(status: Mapping[str, PaperResults]) -> str:
         markdown_table(("paper", "claim", "committed"), rows),
         "What kind of number each of ours is:",
         kinds_legend(),
+        "## Adding results",
+        "A reproduction commits, under `reproductions/<paper>/results/`, one results file per "
+        f"run in the `{RESULTS_SCHEMA}` schema (written by "
+        "`reproductions.common.results.RunRecorder`) and its rebuilt tables in the "
+        f"`{TABLES_SCHEMA}` schema: `{{\"schema\", \"paper\", \"tables\": [{{\"id\", "
+        "\"title\", \"source\", \"deviations\", \"rows\": [{\"what\", \"paper\", \"ours\", "
+        "\"kind\", \"note\", \"unit\"}]}]}`, where `paper` is the published number or null, "
+        "`kind` one of the kinds above, and `source`, `deviations`, `note` and `unit` optional. "
+        "The section of its `README.md` whose heading names deviations is copied into its page. "
+        "`make docs` regenerates the pages; `make test` fails while a committed page is stale.",
     ]) + "\n"
 
 

@@ -109,6 +109,14 @@ def test_a_bad_tables_file_names_the_file_and_field(tmp_path: Path, change, fiel
     assert str(path) in str(error.value)
 
 
+def test_a_truncated_json_file_fails_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "results" / "run.json"
+    path.parent.mkdir()
+    path.write_text('{"schema": "kfac-repro/res')
+    with pytest.raises(PagesError, match=re.escape(f"{path}: not valid JSON")):
+        read_paper(tmp_path)
+
+
 def test_files_in_another_schema_are_skipped_with_a_note(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     path = tmp_path / "results" / "notes.json"
