@@ -5,21 +5,22 @@ path that runs (really, or against a recording transport in :mod:`core.distribut
 not by a separate formula.
 
 Each entry records the *payload* of one collective as this rank sees it (``elements`` and
-``bytes`` on the wire, after packing and dtype conversion) and its ``traffic_bytes``: the bytes
-this rank receives under the bandwidth-optimal algorithm for that operation, which is what
-per-worker volume tables report:
+``bytes`` on the wire, after packing and dtype conversion) and its ``traffic_bytes``: this
+rank's share of the bytes on the wire under the bandwidth-optimal algorithm for the operation,
+which is what per-worker volume tables report:
 
 ==================  ==========================================================================
 op                  ``traffic_bytes`` (``n`` = payload bytes, ``p`` = group size)
 ==================  ==========================================================================
-``all_reduce``      ``2(p − 1)/p · n`` (ring: reduce-scatter, then all-gather)
-``broadcast``       ``n`` on the receivers, ``0`` on the root
-``reduce_scatter``  ``n − own segment`` (``n`` is the whole input; segments may be uneven)
-``all_gather``      ``n − own segment`` (``n`` is the whole output; segments may be uneven)
+``all_reduce``      ``2(p − 1)/p · n`` received (ring: reduce-scatter, then all-gather)
+``broadcast``       ``n`` received by each non-root, ``0`` for the root
+``all_gather``      ``n − own segment`` received (``n`` is the whole output; may be uneven)
+``reduce_scatter``  ``n − own segment`` sent (``n`` is the whole input; the time-reverse of
+                    an all-gather)
 ==================  ==========================================================================
 
-Averaged over the ranks, a broadcast's traffic is ``(p − 1)/p · n`` per worker, the convention of
-KFAC_MATH.md and PAPERS.md.
+Averaged over the ranks, broadcast, all-gather and reduce-scatter each come to
+``(p − 1)/p · n`` per worker, the convention of KFAC_MATH.md and PAPERS.md.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class LedgerEntry:
         elements: Payload elements on the wire.
         bytes: Payload bytes on the wire.
         group_size: Ranks taking part.
-        traffic_bytes: Bytes this rank receives (see the module docstring).
+        traffic_bytes: This rank's per-worker volume (see the module docstring).
     """
 
     step: int
@@ -70,10 +71,15 @@ class StageTotals:
     traffic_bytes: int = 0
 
     def add(self, entry: LedgerEntry) -> None:
-        self.collectives += 1
-        self.elements += entry.elements
-        self.bytes += entry.bytes
-        self.traffic_bytes += entry.traffic_bytes
+        """Count one collective."""
+        self.merge(StageTotals(1, entry.elements, entry.bytes, entry.traffic_bytes))
+
+    def merge(self, other: StageTotals) -> None:
+        """Add another stage's totals."""
+        self.collectives += other.collectives
+        self.elements += other.elements
+        self.bytes += other.bytes
+        self.traffic_bytes += other.traffic_bytes
 
 
 @dataclass
@@ -128,10 +134,7 @@ class Ledger:
         for stage, t in sorted(rows.items()):
             lines.append(f"  {stage:<16}{t.collectives:>12}{t.elements:>16,}"
                          f"{t.bytes / 1e6:>12.3f}{t.traffic_bytes / 1e6:>12.3f}")
-            grand.collectives += t.collectives
-            grand.elements += t.elements
-            grand.bytes += t.bytes
-            grand.traffic_bytes += t.traffic_bytes
+            grand.merge(t)
         lines.append(f"  {'total':<16}{grand.collectives:>12}{grand.elements:>16,}"
                      f"{grand.bytes / 1e6:>12.3f}{grand.traffic_bytes / 1e6:>12.3f}")
         return "\n".join(lines)

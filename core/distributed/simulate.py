@@ -81,6 +81,25 @@ class SimulationReport:
             return [r.captured_bytes for r in self.ranks]
         return [r.memory[key] for r in self.ranks]
 
+    def totals(self) -> dict[str, float]:
+        """Shape facts of the preconditioned layers (PAPERS.md §6 notation).
+
+        ``factor_elements`` Φ = Σ(a² + g²), ``triangle_elements`` Σ(a(a+1)/2 + g(g+1)/2),
+        ``preconditioned_params`` Ψ = Σ a·g, ``rank1_elements`` Σ(a + g) (MKOR's vectors),
+        ``inversion_work`` Σ(a³ + g³) and ``largest_inversion_share`` (one layer's part of it).
+        """
+        work = [float(w.a_dim) ** 3 + float(w.g_dim) ** 3 for w in self.layers]
+        return {
+            "layers": len(self.layers),
+            "factor_elements": sum(w.a_dim**2 + w.g_dim**2 for w in self.layers),
+            "triangle_elements": sum(w.a_dim * (w.a_dim + 1) // 2 + w.g_dim * (w.g_dim + 1) // 2
+                                     for w in self.layers),
+            "preconditioned_params": sum(w.a_dim * w.g_dim for w in self.layers),
+            "rank1_elements": sum(w.a_dim + w.g_dim for w in self.layers),
+            "inversion_work": sum(work),
+            "largest_inversion_share": max(work) / sum(work),
+        }
+
     def stages(self) -> list[str]:
         """Stages that appear in any rank's ledger, sorted."""
         return sorted({e.stage for r in self.ranks for e in r.ledger.entries})
