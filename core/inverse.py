@@ -171,13 +171,6 @@ def compute_sides(a: Tensor, g: Tensor, *, method: str, damping: float, split: s
             for side in sides}
 
 
-def compute_state(a: Tensor, g: Tensor, *, method: str, damping: float, split: str,
-                  dtype: torch.dtype) -> SecondOrderState:
-    """Decompose or invert both factors of one layer."""
-    parts = compute_sides(a, g, method=method, damping=damping, split=split, dtype=dtype)
-    return make_state(method, parts["a"] + parts["g"])
-
-
 def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tensor:
     """The preconditioned gradient matrix ``P`` of ``∇W̄`` (shape ``(g_dim, a_dim)``)."""
     grad = grad.to(state.tensors()[0].dtype)

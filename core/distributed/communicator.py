@@ -81,6 +81,7 @@ class _Payload:
     packed: list[bool]
     like: Tensor | None = None
     flat: Tensor = field(init=False)
+    borrowed: bool = field(init=False, default=False)
 
     def build(self, dtype: torch.dtype | None, scale: float | None) -> Tensor:
         """Concatenate (and pre-scale, and cast) the wire form of the tensors.
@@ -94,11 +95,13 @@ class _Payload:
             flat = self.like.new_empty(0)
         elif len(parts) == 1:
             flat = parts[0] if scale is None else parts[0] / scale
+            self.borrowed = scale is None and not self.packed[0]
         else:
             flat = torch.cat(parts)
             if scale is not None:
                 flat.div_(scale)
         self.flat = flat if dtype is None else flat.to(dtype)
+        self.borrowed = self.borrowed and self.flat.dtype == self.tensors[0].dtype
         return self.flat
 
     @property
@@ -153,7 +156,8 @@ class Communicator:
 
     Attributes:
         ledger: The :class:`~core.distributed.ledger.Ledger` of this rank.
-        peak_buffer_bytes: Most bytes of flat buffers alive at once so far.
+        peak_buffer_bytes: Most bytes of flat buffers alive at once so far (copies made for
+            the wire; a tensor sent through a view of itself costs nothing).
     """
 
     def __init__(self, transport: Transport, *, bucket_cap_mb: float = 25.0,
@@ -220,8 +224,11 @@ class Communicator:
             size += nbytes
         return buckets
 
-    def _pending(self, works: list[Work], buffers: Sequence[Tensor],
-                 finish: Callable[[], None]) -> Pending:
+    def _pending(self, works: list[Work], payloads: Sequence[_Payload],
+                 finish: Callable[[], None], extra: Sequence[Tensor] = ()) -> Pending:
+        """Wrap started work, counting its own flat buffers (not views of the caller's tensors)
+        towards :attr:`peak_buffer_bytes` until it is waited on."""
+        buffers = [p.flat for p in payloads if not p.borrowed] + list(extra)
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
         self._live_bytes += nbytes
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._live_bytes)
@@ -278,7 +285,7 @@ class Communicator:
             for payload in payloads:
                 payload.unpack()
 
-        return self._pending(works, [b.flat for b in payloads], finish)
+        return self._pending(works, payloads, finish)
 
     def all_reduce_many(self, tensors: Sequence[Tensor], **options: Any) -> None:
         """:meth:`start_all_reduce` with ``options``, and wait."""
@@ -321,7 +328,7 @@ class Communicator:
                 if src != self.rank or payload.rounded:
                     payload.unpack()
 
-        return self._pending(works, [b.flat for b in payloads], finish)
+        return self._pending(works, payloads, finish)
 
     # Uneven reduce-scatter and all-gather ----------------------------------------------------
     def _segments(self, segments: Sequence[Sequence[Tensor]], members: Group,
@@ -361,7 +368,7 @@ class Communicator:
             payloads[mine].flat = output
             payloads[mine].unpack()
 
-        self._pending(works, inputs + [output], finish).wait()
+        self._pending(works, payloads, finish, extra=[output]).wait()
 
     def all_gather_v(self, segments: Sequence[Sequence[Tensor]], *, stage: str,
                      group: Sequence[int] | None = None, dtype: torch.dtype | None = None
@@ -388,7 +395,7 @@ class Communicator:
                 if i != mine or payload.rounded:
                     payload.unpack()
 
-        self._pending(works, buffers, finish).wait()
+        self._pending(works, payloads, finish).wait()
 
 
 def average_gradients(parameters: Iterable[HasGrad], communicator: Communicator, *,

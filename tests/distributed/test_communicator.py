@@ -61,7 +61,8 @@ def test_bucketing_splits_at_the_cap_and_keeps_order() -> None:
     comm.all_reduce_many(tensors, stage="grad_allreduce")
     assert [e.elements for e in comm.ledger.entries] == [20, 20, 10]
     assert all(torch.equal(t, torch.full((10,), float(i))) for i, t in enumerate(tensors))
-    assert comm.peak_buffer_bytes == 200
+    # Two concatenated buckets are copies; the last, single tensor travels as a view.
+    assert comm.peak_buffer_bytes == 160
 
 
 def test_uneven_reduce_scatter_and_all_gather_record_totals_and_own_share() -> None:

@@ -192,13 +192,43 @@ def test_ledger_volumes_match_hand_computation(p4: list[dict[str, Any]], name: s
 
 
 @pytest.mark.parametrize("name", P4_CONFIGS)
-def test_simulated_ledger_equals_real_ledger(p4: list[dict[str, Any]], name: str) -> None:
+def test_memory_holds_what_each_rank_should(p4: list[dict[str, Any]], name: str) -> None:
+    """Factors and inverses per rank, by hand: all-reduce strategies keep every factor; osawa
+    and dp-kfac only their own; second-order state wherever the strategy preconditions."""
+    options = P4_CONFIGS[name]
+    strategy = KFACConfig(**options).canonical_strategy
+    factor_size = 8 if options.get("factor_dtype") == "float64" else 4
+    state_size = 8 if options.get("inverse_dtype") == "float64" else 4
+    eigen = options.get("inverse_method", "eigen") == "eigen"
+    for rank, result in enumerate(p4):
+        run = result["runs"][name]
+        place = {layer: (a_rank, g_rank) for layer, a_rank, g_rank in run["assignment"]}
+        factors = inverses = 0
+        for layer, (a, g) in LAYER_DIMS.items():
+            a_rank, g_rank = place[layer]
+            if strategy not in ("osawa", "dp-kfac") or a_rank == rank:
+                factors += (a * a + g * g) * factor_size
+            holds_state = {
+                "d-kfac": True, "comm-opt": True,
+                "hybrid-opt": rank % 2 == a_rank % 2,
+            }.get(strategy, a_rank == rank)
+            if holds_state:
+                inverses += (a * a + g * g + (a + g if eigen else 0)) * state_size
+        assert run["memory"]["factors"] == factors, (name, rank)
+        assert run["memory"]["inverses"] == inverses, (name, rank)
+        assert run["memory"]["total"] == factors + inverses + run["memory"]["buffers"]
+
+
+@pytest.mark.parametrize("name", P4_CONFIGS)
+def test_simulated_ledger_and_memory_equal_real_ones(p4: list[dict[str, Any]], name: str) -> None:
     options = COMMON | P4_CONFIGS[name]
     strategy = options.pop("strategy")
     report = simulate(make_model(), strategy, 4, steps=STEPS, **options)
     for rank, result in enumerate(p4):
-        real = result["runs"][name]["ledger"]
-        assert [e.as_tuple() for e in report.ranks[rank].ledger.entries] == real, (name, rank)
+        real = result["runs"][name]
+        assert [e.as_tuple() for e in report.ranks[rank].ledger.entries] == real["ledger"], \
+            (name, rank)
+        assert report.ranks[rank].memory == real["memory"], (name, rank)
 
 
 @pytest.mark.parametrize("name", ROUND_TRIPS)
