@@ -152,24 +152,6 @@ class DistributedStrategy(Strategy):
         self._received_bytes += buffer.numel() * buffer.element_size()
         return buffer
 
-    def _broadcast_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor],
-                             src_of: dict[str, int], group: tuple[int, ...]) -> None:
-        """Broadcast each ready layer's ``P`` from ``src_of[name]`` within ``group``."""
-        self._received_bytes = 0
-        by_src: dict[int, list[Tensor]] = {}
-        for layer in layers:
-            if not self.ready[layer.name]:
-                continue
-            src = src_of[layer.name]
-            if src != self.rank:
-                grads[layer.name] = self._receive_buffer(layer)
-            by_src.setdefault(src, []).append(grads[layer.name])
-        pending = [self.communicator.start_broadcast(tensors, src=src, stage="grad_comm",
-                                                     group=group)
-                   for src, tensors in by_src.items()]
-        for p in pending:
-            p.wait()
-
 
 class DKFACStrategy(DistributedStrategy):
     """D-KFAC: factors all-reduced; every rank inverts and preconditions every layer."""
@@ -271,11 +253,24 @@ class KAISAStrategy(DistributedStrategy):
             layer.valid_sides.add(side)
 
     def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
+        """Within this rank's row, each ready layer's ``P`` comes from the row's member of the
+        layer's column (one bucketed broadcast per source rank)."""
+        self._received_bytes = 0
         if len(self.row) == 1:
             return
-        src_of = {layer.name: next(r for r in self.row if r in self.placement(layer).group)
-                  for layer in layers}
-        self._broadcast_gradients(layers, grads, src_of, tuple(self.row))
+        by_src: dict[int, list[Tensor]] = {}
+        for layer in layers:
+            if not self.ready[layer.name]:
+                continue
+            src = next(r for r in self.row if r in self.placement(layer).group)
+            if src != self.rank:
+                grads[layer.name] = self._receive_buffer(layer)
+            by_src.setdefault(src, []).append(grads[layer.name])
+        pending = [self.communicator.start_broadcast(tensors, src=src, stage="grad_comm",
+                                                     group=self.row)
+                   for src, tensors in by_src.items()]
+        for p in pending:
+            p.wait()
 
 
 class DPKFACStrategy(KAISAStrategy):
