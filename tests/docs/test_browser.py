@@ -63,9 +63,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repo")
     shutil.copy(REPO_ROOT / "mkdocs.yml", root)
     shutil.copytree(REPO_ROOT / "docs", root / "docs")
-    (root / "core").symlink_to(REPO_ROOT / "core")  # the API pages' sources
     for paper in PAPERS:
         write_reproduction(root, paper.slug)
+    for source in ("core", "reproductions/__init__.py", "reproductions/common"):  # the API's
+        (root / source).symlink_to(REPO_ROOT / source)
     write_pages(root, root / "docs")
     result = build_site(root / "mkdocs.yml", root / "site")
     assert result.returncode == 0, result.stdout + result.stderr
