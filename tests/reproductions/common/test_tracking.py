@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import wandb
 
 from reproductions.common.scrub import REDACTED
 from reproductions.common.tracking import (
@@ -62,6 +63,9 @@ def test_offline_run_is_written_and_read_back(tmp_path: Path,
         tracker.log(many, step=3)
         tracker.summary({"final_loss": 0.33})
         run_dir = tracker.run_dir
+    # finish() returns before W&B's service has flushed the run file; tearing the service down
+    # waits for it (seen here: under load the last record was missing without this).
+    wandb.teardown()
     assert run_dir is not None and run_dir.parent == tmp_path / "wandb"
     history = read_offline_history(run_dir)
     assert [h["_step"] for h in history] == [0, 1, 2, 3]
