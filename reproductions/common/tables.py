@@ -11,9 +11,11 @@ A reproduction's ``tables.py`` builds :class:`Table` objects, writes them with
                  "rows": [["ResNet-50", "DP-KFAC", null, 100.4, ...], ...],
                  "notes": "how the numbers were made, the paper's source, deviations"}]}
 
-Cells are strings, numbers or null (NaN and infinities are written as null: strict JSON). The
-paper's numbers, where a table has them, sit in a column whose name says so and cite their source
-in ``notes``.
+Cells are strings, numbers or null (NaN and infinities are written as null: strict JSON). Every
+results table shows the paper's number, ours, and what differs and why: a column whose name starts
+with "paper" (the published numbers, null where the paper gives none), one whose name starts with
+"ours", and ``notes`` citing the paper's source and the deviations. The docs generator
+(``scripts/make_docs_pages.py``) refuses a table without them.
 """
 
 from __future__ import annotations
