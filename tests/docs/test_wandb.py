@@ -56,7 +56,7 @@ def test_the_tables_run_logged_offline_reads_back(tmp_path: Path, tables: list,
     run = log_tables(MKOR, tables, tmp_path, mode="offline")
     assert (run.project, run.group, run.name) == (project_name("mkor"), "tables", "tables")
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    (logged,) = read_offline_history(run_dir)  # one step: its values are the run's summary
+    (logged,) = read_offline_history(run_dir, wait_s=30)  # one step: the run's summary
     assert logged["_step"] == 0
     for key, value in table_figures(tables).items():
         assert logged[key] == pytest.approx(value)
