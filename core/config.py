@@ -226,11 +226,6 @@ class KFACConfig:
         """The strategy name with aliases resolved (``mpd-kfac`` is ``mem-opt``)."""
         return STRATEGY_ALIASES.get(self.strategy, self.strategy)
 
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        """Names of all configuration fields, for building configs from keyword arguments."""
-        return tuple(f.name for f in fields(cls))
-
 
 def resolve_interval(name: str, value: Schedulable[int], step: int) -> int:
     """Evaluate an update interval at ``step`` and check the result is an integer >= 1."""

@@ -270,3 +270,21 @@ def test_disabled_stage_is_skipped() -> None:
     assert precond.layers[0].state is not None
     with pytest.raises(ConfigError, match="disabled_stages"):
         KFACPreconditioner(model, disabled_stages=["everything"])
+
+
+def test_nonfinite_factor_is_skipped_counted_and_training_continues() -> None:
+    torch.manual_seed(6)
+    model = nn.Linear(3, 2)  # float32: squares of 1e20 overflow, the gradient does not
+    precond = KFACPreconditioner(model, kl_clip=None)
+    x = torch.randn(4, 3)
+    model(x).pow(2).mean().backward()
+    precond.step()
+    good = precond.layers[0].a.value.clone()
+    model.zero_grad()
+    model(x * 1e20).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    with pytest.warns(UserWarning, match="non-finite factor batch skipped"):
+        precond.step()
+    assert torch.equal(precond.layers[0].a.value, good)
+    assert precond.metrics()["nonfinite_factor_skips"] == 1
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
