@@ -138,7 +138,7 @@ class OsawaTrainer:
                 logits = self.net(inputs)
                 loss = F.cross_entropy(logits, targets)
                 (loss / self.accumulation_steps).backward()
-            loss_sum += float(loss) * len(labels)
+            loss_sum += float(loss.detach()) * len(labels)
             correct += float((logits.argmax(1) == labels).sum())
             count += len(labels)
         add_weight_decay(self.weights, self.config.weight_decay)
