@@ -32,7 +32,7 @@ from core.config import (
     check_schedulable,
     check_skip_layers,
     config_from_options,
-    resolve_interval,
+    update_due,
 )
 from core.factors import RunningFactor
 from core.hyper import value_at
@@ -291,7 +291,7 @@ class Rank1Preconditioner:
 
     def _update_due(self, step: int) -> bool:
         interval = getattr(self.config, self.interval_field)
-        return step % resolve_interval(self.interval_field, interval, step) == 0
+        return update_due(self.interval_field, interval, step)
 
     # The step --------------------------------------------------------------------------------
     @torch.no_grad()

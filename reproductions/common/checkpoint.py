@@ -1,0 +1,160 @@
+"""Atomic training checkpoints that survive a crash mid-write, loaded with ``weights_only``.
+
+A checkpoint is ``<directory>/checkpoint-<step:09d>.pt``. It is written to a temporary file in the
+same directory, flushed and fsynced, renamed into place (atomic on POSIX), and the directory is
+fsynced so the rename itself is durable. So a file under the final name is always complete; a
+damaged one (a copied-in truncated file, a bad disk) is detected at load time, reported, and the
+previous checkpoint is used instead. Only the newest ``keep`` checkpoints are kept.
+
+States are loaded with ``torch.load(weights_only=True)``, which cannot run code from the file, so
+states must consist of tensors, dicts, lists, tuples, numbers, strings, booleans and None;
+:func:`save_checkpoint` checks this before writing, naming the first offending entry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_NAME = re.compile(r"^checkpoint-(\d{9,})\.pt$")
+_PLAIN = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint in a directory can be loaded; the message names every file tried."""
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    """The file name of the checkpoint taken after ``step`` (zero-padded so names sort by step).
+    """
+    return Path(directory) / f"checkpoint-{step:09d}.pt"
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest step first (temporary files are ignored)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def check_weights_only(value: Any, where: str = "state") -> None:
+    """Raise TypeError unless ``value`` can be loaded by ``torch.load(weights_only=True)``.
+
+    Args:
+        value: The object to check, recursively.
+        where: How to name ``value`` in the error, e.g. ``"state"``.
+
+    Raises:
+        TypeError: naming the first entry (``state['optimizer']['x']``) of another type.
+    """
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str | int | float | bool | tuple) and key is not None:
+                raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
+            check_weights_only(item, f"{where}[{key!r}]")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            check_weights_only(item, f"{where}[{index}]")
+    elif not isinstance(value, _PLAIN):
+        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, "
+                        "which torch.load(weights_only=True) refuses; store tensors, numbers, "
+                        "strings, lists, tuples and dicts only")
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` atomically, then keep only the newest.
+
+    Args:
+        directory: Where checkpoints live (created if needed).
+        step: The training step the state was taken after; names the file.
+        state: What to save; only types ``weights_only`` loading accepts (module docstring).
+        keep: How many of the newest checkpoints to keep (>= 1).
+
+    Returns:
+        The path of the new checkpoint.
+
+    Raises:
+        ValueError: ``step`` < 0 or ``keep`` < 1.
+        TypeError: ``state`` holds a type ``weights_only`` loading refuses (named).
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    check_weights_only(state)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    fd, name = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(name, final)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+    _fsync_directory(directory)
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def load_latest_checkpoint(directory: Path, map_location: str | torch.device = "cpu"
+                           ) -> dict | None:
+    """Load the newest readable checkpoint in ``directory``.
+
+    A newest file that cannot be read (truncated, corrupt, not a dict) produces a warning naming
+    it, and the next older one is tried.
+
+    Args:
+        directory: Where :func:`save_checkpoint` wrote.
+        map_location: Where tensors are loaded to.
+
+    Returns:
+        The saved state, or None when the directory holds no checkpoint at all.
+
+    Raises:
+        CheckpointError: checkpoints exist but none can be read; the message names each file
+            and why it failed.
+    """
+    failures: list[str] = []
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+            if not isinstance(state, dict):
+                raise TypeError(f"holds a {type(state).__name__}, not a dict")
+        except Exception as exc:  # noqa: BLE001 - any failure means "this file is unusable"
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            reason = f"{type(exc).__name__}: {first_line}"
+            failures.append(f"{path} ({reason})")
+            warnings.warn(f"checkpoint {path} cannot be loaded ({reason}); trying the previous "
+                          "one", RuntimeWarning, stacklevel=2)
+            continue
+        return state
+    if failures:
+        raise CheckpointError(f"no checkpoint in {directory} can be loaded: "
+                              + "; ".join(failures))
+    return None

@@ -1,0 +1,84 @@
+"""Atomic checkpoints: naming, rotation, weights_only loading, corrupt-file fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from reproductions.common.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    list_checkpoints,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+
+
+def state(step: int) -> dict:
+    return {"step": step, "weights": torch.full((3,), float(step)), "nested": {"lr": [0.1, 0.2]},
+            "tuple": (1, "a"), "none": None}
+
+
+def test_save_is_atomic_and_keeps_the_newest(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        path = save_checkpoint(tmp_path, step, state(step), keep=2)
+        assert path == checkpoint_path(tmp_path, step)
+    assert list_checkpoints(tmp_path) == [checkpoint_path(tmp_path, s) for s in (2, 3)]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and loaded["step"] == 3
+    assert torch.equal(loaded["weights"], torch.full((3,), 3.0))
+    assert loaded["nested"] == {"lr": [0.1, 0.2]} and loaded["tuple"] == (1, "a")
+
+
+def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_checkpoint(tmp_path, 1, state(1))
+
+    def broken_save(obj: object, handle: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, state(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint_path(tmp_path, 1).name]
+
+
+def test_loads_with_weights_only(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"state\['bad'\].*weights_only"):
+        save_checkpoint(tmp_path, 1, {"bad": object()})
+    # A file holding an arbitrary object (not written by save_checkpoint) is refused on load.
+    torch.save({"bad": Path("x")}, checkpoint_path(tmp_path, 5))
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError, match="000000005.pt"):
+        load_latest_checkpoint(tmp_path)
+
+
+def test_corrupt_newest_falls_back_with_a_warning(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 1, state(1))
+    newest = save_checkpoint(tmp_path, 2, state(2))
+    newest.write_bytes(newest.read_bytes()[:40])  # truncated
+    with pytest.warns(RuntimeWarning, match=newest.name):
+        loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and loaded["step"] == 1
+
+
+def test_all_corrupt_raises_naming_every_file(tmp_path: Path) -> None:
+    paths = [save_checkpoint(tmp_path, step, state(step)) for step in (1, 2)]
+    for path in paths:
+        path.write_bytes(b"not a checkpoint")
+    with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError) as info:
+        load_latest_checkpoint(tmp_path)
+    for path in paths:
+        assert str(path) in str(info.value)
+
+
+def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
+    assert load_latest_checkpoint(tmp_path / "absent") is None
+    assert load_latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize(("step", "keep"), [(-1, 2), (1, 0)])
+def test_bad_arguments(tmp_path: Path, step: int, keep: int) -> None:
+    with pytest.raises(ValueError):
+        save_checkpoint(tmp_path, step, {}, keep=keep)

@@ -1,0 +1,63 @@
+"""torchrun environment handling, seeding, and a real two-process gloo group."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from reproductions.common.launch import cleanup, init_distributed, seed_everything
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_single_process_without_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    ctx = init_distributed(device="cpu")
+    assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.device.type) == (0, 1, True, "cpu")
+    assert not dist.is_initialized()
+    cleanup()  # nothing to leave: no error
+
+
+def test_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="device"):
+        init_distributed(device="tpu")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE='two'"):
+        init_distributed(device="cpu")
+
+
+def test_seed_everything_repeats() -> None:
+    seed_everything(7)
+    first = (random.random(), torch.rand(2).tolist())
+    seed_everything(7)
+    assert (random.random(), torch.rand(2).tolist()) == first
+
+
+def _worker(rank: int, port: int, results: dict) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = init_distributed(device="cpu")
+    value = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(value)
+    results[rank] = (ctx.is_main, value.item(), torch.get_num_threads(),
+                     os.environ["OMP_NUM_THREADS"])
+    cleanup()
+
+
+@pytest.mark.distributed
+def test_two_processes_join_a_gloo_group() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(port, results), nprocs=2, join=True)
+        assert dict(results) == {0: (True, 3.0, 1, "1"), 1: (False, 3.0, 1, "1")}

@@ -1,0 +1,34 @@
+"""Credentials never reach configs, results or dashboards."""
+
+from __future__ import annotations
+
+import pytest
+
+from reproductions.common.scrub import REDACTED, is_secret_name, scrub_secrets
+
+
+@pytest.mark.parametrize("name", ["WANDB_API_KEY", "hf_token", "apiKey", "secret", "db-password",
+                                  "key", "aws.secret.access"])
+def test_secret_names(name: str) -> None:
+    assert is_secret_name(name)
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "max_tokens", "monkey", "keep", "vocab_size",
+                                  "lr"])
+def test_ordinary_names(name: str) -> None:
+    assert not is_secret_name(name)
+
+
+def test_scrubs_by_name_and_by_value() -> None:
+    env = {"WANDB_API_KEY": "0123456789abcdef", "SHORT_TOKEN": "abc"}
+    config = {"lr": 0.1, "hf_token": "hf_xyz", "nested": {"apiKey": "k"},
+              "argv": ["--url", "https://u:0123456789abcdef@host"], "pair": ("tokenizer", 1)}
+    clean = scrub_secrets(config, environ=env)
+    assert clean == {"lr": 0.1, "hf_token": REDACTED, "nested": {"apiKey": REDACTED},
+                     "argv": ["--url", f"https://u:{REDACTED}@host"], "pair": ("tokenizer", 1)}
+    assert config["hf_token"] == "hf_xyz"  # the input is not modified
+
+
+def test_by_value_only_keeps_layer_names() -> None:
+    report = {"bert.encoder.layer.0.attention.self.key": 12}
+    assert scrub_secrets(report, by_name=False, environ={}) == report

@@ -1,0 +1,89 @@
+"""W&B runs: mode resolution, naming, an offline run written and read back, no secrets."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from reproductions.common.scrub import REDACTED
+from reproductions.common.tracking import (
+    Tracker,
+    add_wandb_argument,
+    read_offline_history,
+    resolve_mode,
+    wandb_logged_in,
+)
+
+
+def test_logged_in_by_key_or_netrc(tmp_path: Path) -> None:
+    netrc = tmp_path / "netrc"
+    assert not wandb_logged_in({"NETRC": str(netrc)})
+    assert wandb_logged_in({"WANDB_API_KEY": "x" * 40, "NETRC": str(netrc)})
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password abc\n")
+    netrc.chmod(0o600)
+    assert wandb_logged_in({"NETRC": str(netrc)})
+
+
+@pytest.mark.parametrize(("requested", "env", "mode"), [
+    ("auto", {"WANDB_API_KEY": "k"}, "online"),
+    ("auto", {"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "offline"),
+    ("auto", {"WANDB_API_KEY": "k", "WANDB_MODE": "disabled"}, "disabled"),
+    ("auto", {}, "offline"),
+    ("disabled", {"WANDB_API_KEY": "k"}, "disabled"),
+    ("online", {}, "online"),
+])
+def test_resolve_mode(tmp_path: Path, requested: str, env: dict, mode: str) -> None:
+    assert resolve_mode(requested, {**env, "NETRC": str(tmp_path / "none")}) == mode
+
+
+def test_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_wandb_argument(parser)
+    assert parser.parse_args([]).wandb == "auto"
+    assert parser.parse_args(["--wandb", "disabled"]).wandb == "disabled"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--wandb", "sometimes"])
+
+
+def test_offline_run_is_written_and_read_back(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", "fake-key-0123456789")
+    many = {f"layer{i}/bytes": float(i) for i in range(3000)}  # a record > 32 KiB (split chunks)
+    with Tracker(paper="mkor", experiment="tiny", optimizer="mkor", seed=0,
+                 config={"lr": 0.1, "hf_token": "hf_secret", "note": "fake-key-0123456789"},
+                 directory=tmp_path) as tracker:
+        assert tracker.info() == {"project": "kfac-repro-mkor", "group": "tiny",
+                                  "name": "tiny-mkor-0", "id": tracker.id, "mode": "offline"}
+        for step in range(3):
+            tracker.log({"train/loss": 1.0 / (step + 1), "note": "ok"}, step=step)
+        tracker.log(many, step=3)
+        tracker.summary({"final_loss": 0.33})
+        run_dir = tracker.run_dir
+    assert run_dir is not None and run_dir.parent == tmp_path / "wandb"
+    history = read_offline_history(run_dir)
+    assert [h["_step"] for h in history] == [0, 1, 2, 3]
+    assert [h.get("train/loss") for h in history[:3]] == [1.0, 0.5, 1.0 / 3]
+    assert history[3]["layer2999/bytes"] == 2999.0
+    raw = next(run_dir.glob("run-*.wandb")).read_bytes()
+    assert b"hf_secret" not in raw and b"fake-key-0123456789" not in raw
+    assert REDACTED.encode() in raw
+
+
+def test_disabled_run_writes_nothing(tmp_path: Path) -> None:
+    tracker = Tracker(paper="mkor", experiment="tiny", optimizer="lamb", seed=1, config={},
+                      directory=tmp_path, enabled=False)
+    tracker.log({"loss": 1.0}, step=0)
+    tracker.finish()
+    assert tracker.mode == "disabled" and tracker.run_dir is None
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_reader_rejects_other_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no run-"):
+        read_offline_history(tmp_path)
+    (tmp_path / "run-x.wandb").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="bad header"):
+        read_offline_history(tmp_path)
