@@ -34,7 +34,7 @@ class OsawaConfig:
     Attributes:
         name: Experiment name (results file, W&B group).
         source: Where the values come from (free text, e.g. the official config file).
-        data: ``fashion-mnist`` (built in) or ``image-folder`` (ImageNet layout, ``--image-folder``).
+        data: ``fashion-mnist`` (built in) or ``image-folder`` (ImageNet layout).
         model: ``small_resnet`` or ``resnet50``.
         width: First-stage width of ``small_resnet``.
         image_size: Crop size for ``image-folder`` data.

@@ -20,6 +20,7 @@ evaluation), per-rank checkpoints under ``<out>/checkpoints/rank-<r>/`` and a W&
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -111,7 +112,8 @@ def _load_agreed_checkpoint(directory: Path, device: torch.device) -> dict[str, 
 def _test_loader(data: TrainingData, config: OsawaConfig, ctx: DistContext) -> DataLoader:
     """This rank's strided shard of the test split (every example counted exactly once)."""
     shard = Subset(data.test, range(ctx.rank, len(data.test), ctx.world_size))
-    return DataLoader(shard, batch_size=config.eval_batch_size, num_workers=config.num_workers)
+    return DataLoader(shard, batch_size=config.eval_batch_size, num_workers=config.num_workers,
+                      generator=torch.Generator())  # evaluating must not draw from the global RNG
 
 
 def _ledger(trainer: OsawaTrainer) -> dict[str, Any] | None:
@@ -164,8 +166,7 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
     state = _load_agreed_checkpoint(checkpoints, ctx.device) if resume else None
     if state is not None:
         trainer.load_state_dict(state["trainer"])
-        restore_rng_state(state["rng"])
-        recorder = RunRecorder.from_data(state["results"])
+        recorder = RunRecorder.from_data(json.loads(state["results"]))
         wandb_id = state["wandb_id"]
     tracker = Tracker(paper=PAPER, experiment=config.name, optimizer=config.optimizer,
                       seed=config.seed, config=config.to_dict(), directory=out, mode=wandb,
@@ -174,8 +175,10 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
                                  rank=ctx.rank, world_size=ctx.world_size, seed=config.seed,
                                  start_step=trainer.step)
     batches = iter(DataLoader(data.train, batch_sampler=sampler, num_workers=config.num_workers,
-                              pin_memory=ctx.device.type == "cuda"))
+                              pin_memory=ctx.device.type == "cuda", generator=torch.Generator()))
     test_loader = _test_loader(data, config, ctx)
+    if state is not None:  # last: starting the tracker may draw random numbers
+        restore_rng_state(state["rng"])
     total = config.total_steps(size)
     stop = total if max_steps is None else min(total, max_steps)
     every = config.eval_every_epochs
@@ -207,7 +210,7 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
                 recorder.finish()
             save_checkpoint(checkpoints, trainer.step, {
                 "trainer": trainer.state_dict(), "rng": capture_rng_state(),
-                "results": recorder.data, "wandb_id": tracker.id})
+                "results": json.dumps(recorder.data), "wandb_id": tracker.id})
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
             if ctx.is_main:
