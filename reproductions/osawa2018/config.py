@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from core.batchnorm import BN_FISHER_MODES
-from core.config import STRATEGIES, ConfigError, check_choice, check_number
+from core.config import (
+    ASSIGNMENT_POLICIES,
+    STRATEGIES,
+    ConfigError,
+    check_choice,
+    check_number,
+)
 from reproductions.osawa2018.models import MODELS
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -63,6 +69,8 @@ class OsawaConfig:
             (first-order BatchNorm).
         bn_damping_scale: BatchNorm damping is this times the K-FAC damping (``stab_coeff``).
         strategy: Distribution strategy of K-FAC across processes (``osawa`` = the paper's).
+        assignment: Layer-to-rank policy: ``contiguous`` (chainerkfac's ``np.array_split`` of
+            the layers in model order), ``greedy`` (cost-balanced) or ``round-robin``.
         mixup_alpha: Beta parameter of running mixup; 0 disables mixup.
         running_mixup: Mix with the previous *mixed* batch (else with the previous raw batch).
         erasing_rate: Probability of random erasing per example; 0 disables it.
@@ -99,6 +107,7 @@ class OsawaConfig:
     bn_fisher: str = "unit"
     bn_damping_scale: float = 64.0
     strategy: str = "osawa"
+    assignment: str = "contiguous"
     mixup_alpha: float = 0.4
     running_mixup: bool = True
     erasing_rate: float = 0.5
@@ -112,6 +121,7 @@ class OsawaConfig:
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("bn_fisher", self.bn_fisher, BN_CHOICES)
         check_choice("strategy", self.strategy, STRATEGIES)
+        check_choice("assignment", self.assignment, ASSIGNMENT_POLICIES)
         for name in ("width", "image_size", "batch_size", "micro_batch_size", "eval_batch_size"):
             check_number(name, getattr(self, name), low=1, integer=True)
         check_number("num_workers", self.num_workers, low=0, integer=True)
