@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     failed = execute(runs, out_root, jobs=args.jobs, wandb=args.wandb, data_dir=args.data_dir)
     results_dir = args.results_dir or RESULTS_ROOT / name
     collect(runs, out_root, results_dir)
-    print(large_batch_table(results_dir))
+    print(large_batch_table(results_dir).markdown())
     if failed:
         raise SystemExit(f"failed runs: {', '.join(failed)} (see their train.log)")
 

@@ -11,7 +11,10 @@
   code against a recording transport).
 
     python -m reproductions.osawa2018.tables [--results-dir DIR] [--sections O1 O2 O3 O4]
-                                             [--gpus 128 256 ...]
+                                             [--gpus 128 256 ...] [--write FILE | -]
+
+It prints the tables as Markdown and writes them to ``results/tables.json`` in the
+``kfac-repro/tables/v1`` schema, which the docs site renders.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from core.distributed import Communicator, SimulationReport, make_strategy, simu
 from core.distributed.ledger import LedgerEntry
 from core.preconditioner import build_layers
 from reproductions.common.results import load_results
+from reproductions.common.tables import Table, write_tables
 from reproductions.osawa2018.config import CONFIG_DIR, load_config
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -43,7 +47,8 @@ AUTHORS_TABLE = {4096: (10_948, 75.9), 8192: (5_478, 76.4), 16384: (2_737, 76.6)
 #: The abstract: 75% top-1 at batch 131,072 "which took only 978 iterations" (100 epochs).
 ABSTRACT_ITERATIONS = (131072, 100, 978)
 GPU_COUNTS = (128, 256, 512, 1024, 2048, 4096)
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "fmnist_large_batch_quick"
+RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_RESULTS = RESULTS / "fmnist_large_batch_quick"
 MB = 1e6
 #: K-FAC options of the recipe, shared by every strategy in O4 (upper triangles on the wire).
 RECIPE_OPTIONS: dict[str, Any] = {"factor_scaling": "kfc", "inverse_method": "cholesky",
@@ -58,54 +63,53 @@ O4_STRATEGIES: dict[str, dict[str, Any]] = {
 STAGES = ("factor_comm", "inverse_comm", "grad_comm", "grad_allreduce")
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def iterations_table() -> str:
+def iterations_table() -> Table:
     """O1: iterations per (batch, epochs) from the shipped configs, against the paper's."""
-    rows = []
+    rows: list[list[Any]] = []
     configs = [load_config(name) for name in OFFICIAL_CONFIGS]
     batch, epochs, abstract = ABSTRACT_ITERATIONS
     configs.append(load_config("imagenet_bs128k", {"epochs": epochs}))
     for config in configs:
-        ours = config.total_steps(IMAGENET_TRAIN_IMAGES)
         if (config.batch_size, config.epochs) == (batch, epochs):
             theirs, source = abstract, "abstract"
         else:
             theirs, source = AUTHORS_TABLE[config.batch_size][0], "authors' repository"
-        note = "" if ours == theirs else f"differs by {theirs - ours:+d}"
-        rows.append([f"{config.batch_size:,}", f"{config.epochs:g}", f"{theirs:,} ({source})",
-                     f"{ours:,}", note])
-    return ("**O1. Iterations per (mini-batch size, epochs)**, exact: ceil(1,281,167 · epochs / B)"
-            "\n\n" + markdown(["mini-batch", "epochs", "paper", "ours", "note"], rows))
+        rows.append([config.batch_size, config.epochs, theirs, source,
+                     config.total_steps(IMAGENET_TRAIN_IMAGES)])
+    return Table(
+        "O1", "Iterations per (mini-batch size, epochs), ResNet-50 on ImageNet", "exact",
+        ["mini-batch", "epochs", "paper (iterations)", "paper's source", "ours (iterations)"],
+        rows,
+        "Ours: `ceil(1,281,167 · epochs / B)`, the update count `train.py` runs for the shipped "
+        "config (batches straddle epochs, as Chainer's iterator does). The paper's numbers: the "
+        "abstract (978 iterations at 131,072, i.e. 100 epochs) and the authors' repository "
+        "table for ResNet-50-D (PAPERS.md §2.4), whose 5,478 at 8,192 disagrees with "
+        "`ceil(1,281,167 · 35 / 8,192)` = 5,474, most likely a typo.")
 
 
-def hyperparameter_table() -> str:
+def hyperparameter_table() -> Table:
     """O3: the official per-batch-size hyper-parameters, printed from the config files."""
-    rows = []
+    rows: list[list[Any]] = []
     for name in OFFICIAL_CONFIGS:
         c = load_config(name)
-        rows.append([f"{c.batch_size:,}", f"{c.epochs:g}", f"{c.lr:g}",
-                     f"{c.lr_decay_start_epoch:g}", f"{c.lr_power:g}",
-                     f"{c.lr_decay_end_epoch:g}", f"{c.momentum:g}", f"{c.damping:g}",
-                     f"{c.mixup_alpha:g}", f"{CONFIG_DIR.name}/{name}.json"])
-    header = ["mini-batch", "epochs", "lr₀", "e_start", "p", "e_end", "momentum", "damping",
-              "mixup α", "file"]
-    return ("**O3. Hyper-parameters per mini-batch size** (chainerkfac's official configs, "
-            "PAPERS.md §2.5; all: 32 images per GPU, weight rescaling, momentum adjustment, "
-            "current-batch factors, BatchNorm damping ×64, running mixup, random erasing 0.5 / "
-            "[0.02, 0.25] / aspect ≥ 0.3)\n\n" + markdown(header, rows))
+        official = c.source.split()[1].rsplit("/", 1)[1]
+        rows.append([c.batch_size, official, f"{CONFIG_DIR.name}/{name}.json", c.epochs, c.lr,
+                     c.lr_decay_start_epoch, c.lr_power, c.lr_decay_end_epoch, c.momentum,
+                     c.damping, c.mixup_alpha])
+    return Table(
+        "O3", "Hyper-parameters per mini-batch size", "exact",
+        ["mini-batch", "paper (chainerkfac config)", "ours (config file)", "epochs", "lr₀",
+         "e_start", "p", "e_end", "momentum", "damping", "mixup α"],
+        rows,
+        "Values read from our config files, which transcribe the official chainerkfac ImageNet "
+        "configs (PAPERS.md §2.5; the paper's own hyper-parameter table could not be read). "
+        "All: 32 images per GPU, weight rescaling, momentum adjustment, factors of the current "
+        "batch only (`cov_ema_decay` 1 = our `factor_decay` 0), BatchNorm damping ×64 "
+        "(`stab_coeff`), running mixup, random erasing 0.5 / [0.02, 0.25] / aspect ≥ 0.3, no "
+        "weight decay. Their `epoch` field is our `epochs` + 1.")
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "not reached" if value is None else format(value, spec)
-
-
-def large_batch_table(results_dir: Path) -> str:
+def large_batch_table(results_dir: Path) -> Table:
     """O2: epochs and iterations to the target, and final accuracy, per batch and optimizer.
 
     Raises:
@@ -125,32 +129,38 @@ def large_batch_table(results_dir: Path) -> str:
         epochs.add(data["config"]["epochs"])
         if data["finished"] is None:
             unfinished.append(path.name)
-    rows = []
+    rows: list[list[Any]] = []
     for batch in sorted(by_batch):
-        row = [f"{batch:,}"]
+        paper = AUTHORS_TABLE.get(batch)
+        row: list[Any] = [batch, None if paper is None else paper[1]]
         for optimizer in ("kfac", "sgd"):
             s = by_batch[batch].get(optimizer)
             if s is None:
-                row += ["–"] * 3
+                row += [None] * 3
                 continue
-            reached = s["epochs_to_target"]
-            row += [_fmt(reached, ".2f"),
-                    "not reached" if reached is None else f"{s['steps_to_target']:,}",
-                    f"{100 * s['final_test_accuracy']:.2f}%"]
+            reached = s["epochs_to_target"] is not None
+            row += [round(s["epochs_to_target"], 2) if reached else "not reached",
+                    s["steps_to_target"] if reached else "not reached",
+                    round(100 * s["final_test_accuracy"], 2)]
         rows.append(row)
-    header = ["mini-batch", "K-FAC epochs", "K-FAC iterations", "K-FAC final",
-              "SGD epochs", "SGD iterations", "SGD final"]
     target = ", ".join(f"{100 * t:g}%" for t in sorted(targets))
     budget = ", ".join(f"{e:g}" for e in sorted(epochs))
-    note = f" (unfinished runs: {', '.join(unfinished)})" if unfinished else ""
-    paper = ("Paper (ImageNet, ResNet-50): 75% top-1 in 35 epochs for B ≤ 16,384 and 75% at "
-             "B = 131,072 in 978 iterations; the authors' repository (ResNet-50-D): "
-             + " / ".join(f"{b:,}: {t}%" for b, (_, t) in AUTHORS_TABLE.items()) + ".")
-    return (f"**O2. Large-batch study, small scale** (small ResNet on Fashion-MNIST, CPU; "
-            f"epochs and iterations to {target} test accuracy, final test accuracy after "
-            f"{budget} epochs; results in {results_dir.name}/{note}). Not the paper's "
-            f"experiment: same protocol, different data, model and scale.\n\n{paper}\n\n"
-            + markdown(header, rows))
+    unfinished_note = (f" Unfinished runs (numbers so far): {', '.join(unfinished)}."
+                       if unfinished else "")
+    return Table(
+        "O2", f"Large-batch study, small scale: epochs and iterations to {target} test "
+        f"accuracy and final accuracy after {budget} epochs", "small",
+        ["mini-batch", "paper (ImageNet top-1 %, 35 epochs)", "ours: K-FAC epochs to target",
+         "ours: K-FAC iterations to target", "ours: K-FAC final (%)",
+         "ours: SGD epochs to target", "ours: SGD iterations to target", "ours: SGD final (%)"],
+        rows,
+        f"Ours: a width-8 ResNet on Fashion-MNIST on one CPU thread per run, the paper's recipe "
+        f"with K-FAC against the same recipe without preconditioning (momentum SGD), from the "
+        f"results files in `results/{Path(results_dir).name}/` (`study.py`); test accuracy "
+        f"every half epoch. Not the paper's experiment: same protocol, different data, model "
+        f"and scale. The paper: 75% top-1 in 35 epochs for B ≤ 16,384, 75% at B = 131,072 in "
+        f"978 iterations (abstract); the column holds the authors' repository's ResNet-50-D "
+        f"numbers where the batch size matches.{unfinished_note}")
 
 
 def resnet50_meta() -> nn.Module:
@@ -233,10 +243,10 @@ def per_worker(report: SimulationReport, weights: list[int], *, scheme: str = "o
     return PerWorker(stages, memory, weights)
 
 
-def communication_table(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> str:
+def communication_table(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> Table:
     """O4: per-worker traffic per second-order update and K-FAC memory, ResNet-50."""
     model = resnet50_meta()
-    rows = []
+    rows: list[list[Any]] = []
     for world_size in gpu_counts:
         for strategy, extra in O4_STRATEGIES.items():
             options = {**RECIPE_OPTIONS, **extra}
@@ -247,21 +257,33 @@ def communication_table(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> str:
                 else (("ours", strategy),)
             for scheme, label in schemes:
                 stats = per_worker(report, weights, scheme=scheme)
-                rows.append([f"{world_size:,}", label]
-                            + [f"{stats.mean(s) / MB:,.1f}" for s in STAGES]
-                            + [f"{stats.mean() / MB:,.1f}", f"{stats.max() / MB:,.1f}",
-                               f"{stats.max_memory('total') / MB:,.1f}",
-                               f"{stats.max_memory('captured') / MB:,.1f}"])
-    header = ["GPUs", "scheme", "factor comm", "inverse comm", "precond. grad comm",
-              "grad all-reduce", "total (mean)", "total (max)", "K-FAC state (max)",
-              "batch factors"]
-    return ("**O4. Per-worker communication (MB per second-order update) and K-FAC memory (MB), "
-            "ResNet-50**, exact, from the simulated ledgers: fp32, upper triangles of the "
-            "factors, Cholesky inverses, π damping; traffic is what a worker receives under the "
-            "bandwidth-optimal algorithm of each collective (mean over workers unless stated); "
-            "'K-FAC state' = running factors + inverses + communication buffers on the busiest "
-            "worker; 'batch factors' = the current batch's factors every worker builds. The "
-            "paper gives no numbers for this table.\n\n" + markdown(header, rows))
+                rows.append([world_size, label, None]
+                            + [round(stats.mean(s) / MB, 1) for s in STAGES]
+                            + [round(stats.mean() / MB, 1), round(stats.max() / MB, 1),
+                               round(stats.max_memory("total") / MB, 1),
+                               round(stats.max_memory("captured") / MB, 1)])
+    return Table(
+        "O4", "Per-worker communication per second-order update and K-FAC memory, ResNet-50",
+        "exact",
+        ["GPUs", "scheme", "paper (MB)", "ours: factor comm (MB)", "ours: inverse comm (MB)",
+         "ours: preconditioned-gradient comm (MB)", "ours: gradient all-reduce (MB)",
+         "ours: total, mean (MB)", "ours: total, max (MB)", "ours: K-FAC state, max (MB)",
+         "ours: batch factors (MB)"],
+        rows,
+        "From `core.distributed.simulate`: the strategies' own code against a recording "
+        "transport (torchvision ResNet-50 on the meta device; fp32 on the wire; upper "
+        "triangles of the factors; Cholesky inverses; π damping; every strategy updates "
+        "factors and inverses in the step). Traffic is what a worker receives under the "
+        "bandwidth-optimal algorithm of each collective, averaged over workers; 'max' is the "
+        "busiest worker. Workers that own no layer are identical, so one is simulated for all "
+        "of them. 'osawa (this code)' is what `train.py` does: a DDP gradient all-reduce, "
+        "factors reduce-scattered to their owners, preconditioned gradients all-gathered. "
+        "'paper's design' reduce-scatters the gradients with the factors (the all-reduce's "
+        "reduce-scatter half only). 'chainerkfac as coded' runs both V-collectives as "
+        "all-reduces of the whole packed buffer (PAPERS.md §2.3). 'K-FAC state' = running "
+        "factors, inverses and communication buffers; 'batch factors' = the current batch's "
+        "factors every worker builds before they are reduced. BatchNorm's Fisher blocks "
+        "(26,560 channels) are not included. The paper gives no numbers for this table.")
 
 
 SECTIONS = ("O1", "O2", "O3", "O4")
@@ -275,11 +297,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--gpus", nargs="*", type=int, default=list(GPU_COUNTS),
                         help="GPU counts of O4 (each simulated; 4,096 takes about a minute)")
+    parser.add_argument("--write", type=Path, default=RESULTS / "tables.json",
+                        help="tables file to write (kfac-repro/tables/v1); '-' writes none")
     args = parser.parse_args(argv)
     builders = {"O1": iterations_table, "O2": lambda: large_batch_table(args.results_dir),
                 "O3": hyperparameter_table,
                 "O4": lambda: communication_table(tuple(args.gpus))}
-    print("\n\n".join(builders[s]() for s in args.sections))
+    built = [builders[s]() for s in args.sections]
+    print("\n\n".join(table.markdown() for table in built))
+    if str(args.write) != "-":
+        write_tables(args.write, "osawa2018", built)
 
 
 if __name__ == "__main__":
