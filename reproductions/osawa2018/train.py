@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
+from core.distributed import DistributedStrategy
 from data.fashion_mnist import fashion_mnist
 from data.image_folder import image_folder
 from data.paths import add_data_dir_argument
@@ -118,10 +119,10 @@ def _test_loader(data: TrainingData, config: OsawaConfig, ctx: DistContext) -> D
 
 def _ledger(trainer: OsawaTrainer) -> dict[str, Any] | None:
     """Per-stage totals of this rank's communication ledger, when K-FAC ran distributed."""
-    communicator = getattr(getattr(trainer.kfac, "strategy", None), "communicator", None)
-    if communicator is None:
+    if trainer.kfac is None or not isinstance(trainer.kfac.strategy, DistributedStrategy):
         return None
-    return {stage: vars(totals) for stage, totals in communicator.ledger.summary().items()}
+    ledger = trainer.kfac.strategy.communicator.ledger
+    return {stage: vars(totals) for stage, totals in ledger.summary().items()}
 
 
 def run(config: OsawaConfig, *, out: Path, data_dir: str | None = None,
