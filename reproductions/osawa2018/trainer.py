@@ -179,13 +179,14 @@ class OsawaTrainer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and preconditioner states and the step (this rank's view)."""
+        """Model, optimizer, preconditioner and mixup states and the step (this rank's view)."""
         return {
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "kfac": None if self.kfac is None else self.kfac.state_dict(),
             "bn": None if self.bn is None else self.bn.state_dict(),
+            "mixup": None if self.mixup is None else self.mixup.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -196,4 +197,6 @@ class OsawaTrainer:
             self.kfac.load_state_dict(state["kfac"])
         if self.bn is not None:
             self.bn.load_state_dict(state["bn"])
+        if self.mixup is not None:
+            self.mixup.load_state_dict(state["mixup"])
         self.step = int(state["step"])
