@@ -1,6 +1,6 @@
-"""Numerical faults: a real AMP ``GradScaler`` overflow and singular factors. In each the bad
-update is skipped and counted, the last good statistics are kept, and training continues with
-finite values."""
+"""Numerical faults: a real AMP ``GradScaler`` overflow, a NaN activation in the middle of the
+Osawa et al. training loop, and singular factors. In each the bad update is skipped and counted,
+the last good statistics are kept, and training continues with finite values."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from core import EvaPreconditioner, KFACPreconditioner, MKORPreconditioner
+from reproductions.osawa2018.config import OsawaConfig
+from reproductions.osawa2018.trainer import OsawaTrainer
 
 PRECONDITIONERS = {
     "kfac": lambda model, scaler: KFACPreconditioner(model, grad_scaler=scaler, kl_clip=None),
@@ -121,3 +123,46 @@ def test_singular_factor_that_fails_fp32_cholesky_is_inverted_in_fp64() -> None:
     torch.testing.assert_close(precond.layers[0].state.tensors()[0], expected.float(),
                                rtol=1e-4, atol=0.0)
 
+
+def test_nan_activation_mid_network_skips_the_update_and_training_continues() -> None:
+    """The recipe's trainer (K-FAC, BatchNorm Fisher, running mixup, erasing) with a forward hook
+    that puts a NaN into the first residual stage's output at the third update."""
+    torch.manual_seed(0)
+    config = OsawaConfig(width=4, batch_size=8, micro_batch_size=4, epochs=1.0)
+    trainer = OsawaTrainer(config, num_classes=3, in_channels=1, dataset_size=64,
+                           device=torch.device("cpu"))
+    assert trainer.kfac is not None and trainer.bn is not None and trainer.mixup is not None
+    poison = {"on": False}
+
+    def inject_nan(module: nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor:
+        if not poison["on"]:
+            return output
+        output = output.clone()
+        output[0, 0, 0, 0] = float("nan")
+        return output
+
+    trainer.model[3].register_forward_hook(inject_nan)
+    batches = [[(torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))) for _ in range(2)]
+               for _ in range(6)]
+    losses = [trainer.train_step(batches[step])["loss"] for step in range(2)]
+    before = copy.deepcopy(trainer.model.state_dict())
+    factors = statistics(trainer.kfac) + [b.fisher.value.clone() for b in trainer.bn.blocks]
+    remembered = trainer.mixup.previous
+    poison["on"] = True
+    with pytest.warns(RuntimeWarning, match="step 3: non-finite gradients, update skipped"):
+        losses.append(trainer.train_step(batches[2])["loss"])
+    poison["on"] = False
+    assert losses[2] != losses[2], "the poisoned step's loss is NaN"
+    for key, value in trainer.model.state_dict().items():  # weights and BatchNorm statistics
+        assert torch.equal(value, before[key]), key
+    kept = statistics(trainer.kfac) + [b.fisher.value for b in trainer.bn.blocks]
+    assert all(torch.equal(k, f) for k, f in zip(kept, factors, strict=True))
+    assert trainer.mixup.previous is remembered
+    metrics = trainer.metrics()
+    assert metrics["skipped_steps"] == 1 and metrics["kfac/skipped_overflow_steps"] == 1
+    assert metrics["bn/nonfinite_skips"] == len(trainer.bn.blocks)
+    losses += [trainer.train_step(batches[step])["loss"] for step in range(3, 6)]
+    assert trainer.step == 6 and trainer.skipped_steps == 1
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in losses[3:])
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.metrics()["bn/preconditioned_layers"] == len(trainer.bn.blocks)
