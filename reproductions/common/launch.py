@@ -4,7 +4,9 @@
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`init_distributed` reads them and joins
 the process group (NCCL on GPUs, gloo on CPUs). Run without them, it is a single process.
 :func:`run_local` starts such processes on this machine without ``torchrun`` (an entry point's
-``--workers N``, tests).
+``--workers N``, tests). Under ``torchrun --max-restarts N`` a failed worker makes the agent
+restart the whole group with ``TORCHELASTIC_RESTART_COUNT`` raised by one;
+:attr:`DistContext.restarts` reports it, so entry points resume from their checkpoints then.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class DistContext:
         local_rank: Rank on this node (selects the GPU).
         device: The device this process computes on.
         is_main: Whether this is rank 0 (which logs, writes results and checkpoints).
+        restarts: How often ``torchrun`` has restarted the worker group (0 on the first attempt
+            and without ``torchrun``); after a restart the run continues from its checkpoints.
     """
 
     rank: int
@@ -43,6 +47,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     is_main: bool
+    restarts: int = 0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -92,7 +97,7 @@ def init_distributed(device: str = "auto") -> DistContext:
             dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank,
                                     world_size=world_size)
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen,
-                       is_main=rank == 0)
+                       is_main=rank == 0, restarts=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def seed_everything(seed: int) -> None:
