@@ -64,7 +64,9 @@ def init_distributed(device: str = "auto") -> DistContext:
     With ``WORLD_SIZE`` > 1 the process group is initialised from the environment (NCCL when
     CUDA is available, else gloo), and each process uses one thread (``torch.set_num_threads(1)``
     and ``OMP_NUM_THREADS=1``): several processes with several threads each on shared cores make
-    dense linear algebra hundreds of times slower.
+    dense linear algebra hundreds of times slower. The group's keys in the rendezvous store are
+    prefixed by the ``torchrun`` attempt: the elastic agent keeps one store across restarts, and
+    a restarted group reading the failed attempt's addresses would connect to dead workers.
 
     Args:
         device: ``"auto"`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``"cpu"``
@@ -90,14 +92,17 @@ def init_distributed(device: str = "auto") -> DistContext:
         chosen = torch.device("cuda", local_rank)
     else:
         chosen = torch.device("cpu")
+    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if world_size > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
         if not dist.is_initialized():
+            store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
             dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size,
+                                    store=dist.PrefixStore(f"attempt-{restarts}", store))
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen,
-                       is_main=rank == 0, restarts=_env_int("TORCHELASTIC_RESTART_COUNT", 0))
+                       is_main=rank == 0, restarts=restarts)
 
 
 def seed_everything(seed: int) -> None:
