@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,11 @@ def wait_until(condition: Callable[[], bool], process: subprocess.Popen, what: s
         assert process.poll() is None, f"the run ended (exit {process.returncode}) before {what}"
         assert time.monotonic() < deadline, f"no {what} after {timeout} s"
         time.sleep(0.005)
+
+
+def resumed_steps(log: str) -> list[int]:
+    """The steps the entry point said it resumed from, in ``log``'s order."""
+    return [int(step) for step in re.findall(r"resuming from the checkpoint of step (\d+)", log)]
 
 
 def newest_step(directory: Path) -> int:

@@ -18,6 +18,7 @@ from tests.reliability.helpers import (
     final_state,
     kill_group,
     newest_step,
+    resumed_steps,
     start,
     train_args,
     wait_until,
@@ -53,8 +54,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path: Path,
         assert resumed.wait(timeout=180) == 0, (tmp_path / "resumed.log").read_text()
     finally:
         kill_group(resumed)
-    log = (tmp_path / "resumed.log").read_text()
-    assert "resuming from the checkpoint of step" in log
+    assert resumed_steps((tmp_path / "resumed.log").read_text()) == [killed_at]
     assert_bit_identical(final_state(out), final_state(uninterrupted))
     assert step_losses(out) == step_losses(uninterrupted)  # every step once, same losses
     assert load_results(out / "results.json")["finished"] is not None
