@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +85,21 @@ def init_distributed(device: str = "auto") -> DistContext:
                                     world_size=world_size)
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen,
                        is_main=rank == 0)
+
+
+@contextmanager
+def main_process_first(ctx: DistContext) -> Iterator[None]:
+    """Run the enclosed block on rank 0 first, then on the other ranks.
+
+    For building caches (tokenised data sets, vocabularies): rank 0 writes them while the others
+    wait at a barrier, then the others find them ready instead of racing to write them too.
+    """
+    distributed = ctx.world_size > 1 and dist.is_initialized()
+    if distributed and not ctx.is_main:
+        dist.barrier()
+    yield
+    if distributed and ctx.is_main:
+        dist.barrier()
 
 
 def seed_everything(seed: int) -> None:
