@@ -264,12 +264,15 @@ class PretrainingBatches:
                 len(self.examples)))
         return int(self._epoch[1][position])
 
-    def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
-        """The masked micro-batch ``micro`` of ``step`` for this process."""
+    def indices(self, step: int, micro: int = 0) -> list[int]:
+        """Example indices of micro-batch ``micro`` of ``step`` on this process."""
         per_step = self.micro_batch * self.accumulation * self.world_size
         start = step * per_step + (micro * self.world_size + self.rank) * self.micro_batch
-        indices = [self._example(k) for k in range(start, start + self.micro_batch)]
-        return collate(self.examples, indices, self.tokenizer,
+        return [self._example(k) for k in range(start, start + self.micro_batch)]
+
+    def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
+        """The masked micro-batch ``micro`` of ``step`` for this process."""
+        return collate(self.examples, self.indices(step, micro), self.tokenizer,
                        mlm_probability=self.mlm_probability,
                        mask_seed=_mask_seed(self.seed, step, micro, self.rank))
 
