@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -21,7 +21,10 @@ DAMPING_SPLITS = ("full", "pi")
 FACTOR_SCALINGS = ("kaisa", "kfc", "dpkfac")
 STRATEGIES = ("d-kfac", "comm-opt", "hybrid-opt", "mem-opt", "mpd-kfac", "osawa", "dp-kfac")
 STRATEGY_ALIASES = {"mpd-kfac": "mem-opt"}
-ASSIGNMENT_POLICIES = ("greedy", "round-robin")
+ASSIGNMENT_POLICIES = ("greedy", "round-robin", "contiguous")
+ASSIGNMENT_COSTS = ("inversion", "memory")
+#: Strategies where one rank preconditions a layer, so it must hold both of its factors.
+OWNER_STRATEGIES = ("osawa", "dp-kfac")
 
 
 class ConfigError(ValueError):
@@ -149,13 +152,18 @@ class KFACConfig:
         skip_layers: module-name regexes or module classes left first-order.
         strategy: distribution strategy (see KFAC_MATH.md "Distribution").
         grad_worker_fraction: fraction f of ranks that precondition each layer ("hybrid-opt").
-        assignment: "greedy" (cost-balanced, KAISA) or "round-robin" (DP-KFAC code).
-        colocate_factors: keep a layer's A and G inversions on the same rank.
+        assignment: "greedy" (cost-balanced, KAISA), "round-robin" (DP-KFAC code) or
+            "contiguous" (Osawa et al.'s code).
+        assignment_cost: cost of a factor of dimension n: "inversion" (n³), "memory" (n²) or a
+            callable of n.
+        colocate_factors: keep a layer's A and G inversions on the same rank ("comm-opt" and
+            "hybrid-opt" may split them; "osawa" and "dp-kfac" need them together).
         accumulation_steps: micro-batches per step; the loss is assumed divided by it.
         factor_dtype: dtype of stored factors ("float32" or "float64").
         inverse_dtype: dtype of decompositions and inverses ("float32" or "float64").
-        symmetry_aware: send packed upper triangles of symmetric factors.
+        symmetry_aware: send packed upper triangles of symmetric factors (and inverses).
         comm_dtype: dtype on the wire for factors and inverses (None = storage dtype).
+        bucket_cap_mb: largest flat buffer one collective moves, in MB (bucketing), > 0.
     """
 
     damping: Schedulable[float] = 1e-3
@@ -171,12 +179,14 @@ class KFACConfig:
     strategy: str = "comm-opt"
     grad_worker_fraction: float | None = None
     assignment: str = "greedy"
+    assignment_cost: str | Callable[[int], float] = "inversion"
     colocate_factors: bool = True
     accumulation_steps: int = 1
     factor_dtype: str = "float32"
     inverse_dtype: str = "float32"
     symmetry_aware: bool = False
     comm_dtype: str | None = None
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         check_schedulable("damping", self.damping, low=0.0, low_inclusive=False)
@@ -207,9 +217,18 @@ class KFACConfig:
         if self.strategy == "hybrid-opt" and self.grad_worker_fraction is None:
             raise ConfigError("grad_worker_fraction", None,
                               "a number in (0, 1] when strategy='hybrid-opt'")
+        if self.strategy != "hybrid-opt" and self.grad_worker_fraction is not None:
+            raise ConfigError("grad_worker_fraction", self.grad_worker_fraction,
+                              f"None with strategy={self.strategy!r} (only 'hybrid-opt' takes it)")
         check_choice("assignment", self.assignment, ASSIGNMENT_POLICIES)
+        if not callable(self.assignment_cost):
+            check_choice("assignment_cost", self.assignment_cost, ASSIGNMENT_COSTS)
         if not isinstance(self.colocate_factors, bool):
             raise ConfigError("colocate_factors", self.colocate_factors, "True or False")
+        if not self.colocate_factors and self.strategy in OWNER_STRATEGIES:
+            raise ConfigError("colocate_factors", False,
+                              f"True with strategy={self.strategy!r} (its owner preconditions "
+                              "with both factors)")
         check_schedulable("accumulation_steps", self.accumulation_steps, low=1, integer=True)
         if callable(self.accumulation_steps):
             raise ConfigError("accumulation_steps", self.accumulation_steps, "an integer >= 1")
@@ -220,6 +239,9 @@ class KFACConfig:
         if self.comm_dtype is not None:
             check_choice("comm_dtype", self.comm_dtype,
                          ("float16", "bfloat16", "float32", "float64"))
+        check_schedulable("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_inclusive=False)
+        if callable(self.bucket_cap_mb):
+            raise ConfigError("bucket_cap_mb", self.bucket_cap_mb, "a number > 0")
 
     @property
     def canonical_strategy(self) -> str:
@@ -232,4 +254,9 @@ def resolve_interval(name: str, value: Schedulable[int], step: int) -> int:
     result = value(step) if callable(value) else value
     check_scheduled_value(name, result, low=1, integer=True)
     return result
+
+
+def update_due(name: str, value: Schedulable[int], step: int) -> bool:
+    """Whether an update every ``value`` steps (``name`` for errors) falls on ``step``."""
+    return step % resolve_interval(name, value, step) == 0
 

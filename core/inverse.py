@@ -14,42 +14,79 @@ that fails too, :class:`DecompositionError` is raised and the caller keeps its l
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+#: The two Kronecker factors of a layer; a distributed strategy may invert them on different ranks.
+SIDES = ("a", "g")
 
 
 class DecompositionError(RuntimeError):
     """A factor could not be decomposed in the requested dtype nor in fp64."""
 
 
+class _SidedState:
+    """Tensors listed ``A`` side first, then ``G`` side, in equal numbers.
+
+    Attributes:
+        symmetric: Whether every tensor is a symmetric matrix (may travel as an upper triangle).
+    """
+
+    symmetric: ClassVar[bool]
+
+    def tensors(self) -> list[Tensor]:
+        raise NotImplementedError
+
+    def side_tensors(self, side: str) -> list[Tensor]:
+        """The tensors describing factor ``side`` (``"a"`` or ``"g"``)."""
+        tensors = self.tensors()
+        half = len(tensors) // 2
+        return tensors[:half] if side == "a" else tensors[half:]
+
+    def set_side(self, side: str, values: Sequence[Tensor]) -> None:
+        """Copy a fresh decomposition of factor ``side`` into this state's tensors."""
+        for dst, src in zip(self.side_tensors(side), values, strict=True):
+            dst.copy_(src)
+
+
 @dataclass
-class EigenState:
+class EigenState(_SidedState):
     """Eigenbases and clamped eigenvalues of ``A`` and ``G``."""
 
     qa: Tensor
     da: Tensor
     qg: Tensor
     dg: Tensor
+    symmetric: ClassVar[bool] = False
 
     def tensors(self) -> list[Tensor]:
         return [self.qa, self.da, self.qg, self.dg]
 
 
 @dataclass
-class InverseState:
+class InverseState(_SidedState):
     """Damped inverses ``(A + λ_A I)⁻¹`` and ``(G + λ_G I)⁻¹``."""
 
     a_inv: Tensor
     g_inv: Tensor
+    symmetric: ClassVar[bool] = True
 
     def tensors(self) -> list[Tensor]:
         return [self.a_inv, self.g_inv]
 
 
 SecondOrderState = EigenState | InverseState
+
+
+def make_state(method: str, tensors: Sequence[Tensor]) -> SecondOrderState:
+    """The state of ``method`` built from its tensors in :meth:`tensors` order."""
+    if method == "eigen":
+        return EigenState(*tensors)
+    return InverseState(*tensors)
 
 
 def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matrix: Tensor,
@@ -117,16 +154,21 @@ def factor_shifts(a: Tensor, g: Tensor, damping: float, split: str) -> tuple[flo
     return pi * root, root / pi
 
 
-def compute_state(a: Tensor, g: Tensor, *, method: str, damping: float, split: str,
-                  dtype: torch.dtype) -> SecondOrderState:
-    """Decompose or invert both factors of one layer."""
+def compute_sides(a: Tensor, g: Tensor, *, method: str, damping: float, split: str,
+                  dtype: torch.dtype, sides: Iterable[str] = SIDES
+                  ) -> dict[str, tuple[Tensor, ...]]:
+    """Decompose or invert the requested factors of one layer.
+
+    Both factors are needed even for one side: the ``pi`` damping split reads both traces.
+
+    Returns:
+        Per side, its tensors in :meth:`EigenState.side_tensors` / ``InverseState`` order.
+    """
     if method == "eigen":
-        qa, da = eigen_decompose(a, dtype)
-        qg, dg = eigen_decompose(g, dtype)
-        return EigenState(qa, da, qg, dg)
-    shift_a, shift_g = factor_shifts(a, g, damping, split)
-    return InverseState(damped_inverse(a, shift_a, method, dtype),
-                        damped_inverse(g, shift_g, method, dtype))
+        return {side: eigen_decompose(a if side == "a" else g, dtype) for side in sides}
+    shifts = dict(zip(SIDES, factor_shifts(a, g, damping, split), strict=True))
+    return {side: (damped_inverse(a if side == "a" else g, shifts[side], method, dtype),)
+            for side in sides}
 
 
 def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tensor:
@@ -150,10 +192,15 @@ def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
 def kl_clip_factor(grads: dict[str, Tensor | None], preconditioned: dict[str, Tensor],
                    lr: float, kl_clip: float) -> float:
     """``ν`` over all preconditioned layers (weights and biases): ``Σ (P ⊙ ∇W̄)``, then
-    :func:`kl_clip_scale`. ``grads`` holds the raw gradient matrix of every name in
-    ``preconditioned``."""
+    :func:`kl_clip_scale`.
+
+    ``grads`` holds the raw gradient matrix of every name in ``preconditioned``, in model order.
+    The sum follows that order, not ``preconditioned``'s insertion order: ranks that received
+    some ``P`` from others (distributed strategies) must add in the same order, or their
+    replicas drift apart in the last bits.
+    """
     products = torch.stack([
-        (p * grads[name].to(p.dtype)).sum()  # type: ignore[union-attr]
-        for name, p in preconditioned.items()
+        (preconditioned[name] * grad.to(preconditioned[name].dtype)).sum()  # type: ignore[union-attr]
+        for name, grad in grads.items() if name in preconditioned
     ]).sum()
     return kl_clip_scale(float(products), lr, kl_clip)

@@ -14,11 +14,11 @@ from torch import Tensor
 
 from core.factors import RunningFactor, a_factor, g_factor
 from core.inverse import (
+    SIDES,
     DecompositionError,
-    EigenState,
-    InverseState,
     SecondOrderState,
-    compute_state,
+    compute_sides,
+    make_state,
     precondition,
 )
 from core.layers import LayerHelper
@@ -55,6 +55,7 @@ class KFACLayer:
         self.batch_a: Tensor | None = None
         self.batch_g: Tensor | None = None
         self.state: SecondOrderState | None = None
+        self.valid_sides: set[str] = set()
         self.decomposition_failures = 0
         self.nonfinite_factor_skips = 0
 
@@ -65,6 +66,11 @@ class KFACLayer:
     @property
     def g_dim(self) -> int:
         return self.helper.g_dim
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weight, and so its second-order state, lives."""
+        return self.helper.weight.device
 
     # Capture callbacks -----------------------------------------------------------------------
     def capture_input(self, x: Tensor) -> None:
@@ -108,19 +114,34 @@ class KFACLayer:
 
     # Inversion -------------------------------------------------------------------------------
     def compute_inverse(self, *, method: str, damping: float, split: str,
-                        dtype: torch.dtype) -> None:
-        """Recompute the second-order state; on failure keep the last good one and count it."""
-        if not self.has_factors:
+                        dtype: torch.dtype, sides: tuple[str, ...] = SIDES) -> None:
+        """Recompute the second-order state of ``sides``; on failure keep the last good one.
+
+        A distributed strategy may ask for one side only (the factors of a layer inverted on
+        different ranks); the other side's tensors then stay as they are until they arrive.
+        """
+        if not sides or not self.has_factors:
             return
         assert self.a.value is not None and self.g.value is not None
         try:
-            self.state = compute_state(self.a.value, self.g.value, method=method,
-                                       damping=damping, split=split, dtype=dtype)
+            parts = compute_sides(self.a.value, self.g.value, method=method, damping=damping,
+                                  split=split, dtype=dtype, sides=sides)
         except DecompositionError as err:
             self.decomposition_failures += 1
-            kept = "keeping the last good inverse" if self.state else "left first-order"
+            kept = "keeping the last good inverse" if self.has_state else "left first-order"
             warnings.warn(f"{self.name}: {err}; {kept} "
                           f"({self.decomposition_failures} failures so far)", stacklevel=2)
+            return
+        if self.state is None:
+            self.state = self.empty_state(method, dtype, self.a.value.device)
+        for side, values in parts.items():
+            self.state.set_side(side, values)
+        self.valid_sides.update(parts)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether both factors' decompositions are present and good on this rank."""
+        return self.state is not None and self.valid_sides.issuperset(SIDES)
 
     def empty_state(self, method: str, dtype: torch.dtype, device: torch.device
                     ) -> SecondOrderState:
@@ -131,13 +152,14 @@ class KFACLayer:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         if method == "eigen":
-            return EigenState(z(a, a), z(a), z(g, g), z(g))
-        return InverseState(z(a, a), z(g, g))
+            return make_state(method, [z(a, a), z(a), z(g, g), z(g)])
+        return make_state(method, [z(a, a), z(g, g)])
 
     def precondition(self, grad: Tensor, damping: float) -> Tensor | None:
         """``P`` for the current gradient matrix, or None without a second-order state."""
-        if self.state is None:
+        if not self.has_state:
             return None
+        assert self.state is not None
         return precondition(grad, self.state, damping)
 
     # Reporting -------------------------------------------------------------------------------
@@ -160,10 +182,10 @@ class KFACLayer:
             "G": None if self.g.value is None else self.g.value.clone(),
             "decomposition_failures": self.decomposition_failures,
             "nonfinite_factor_skips": self.nonfinite_factor_skips,
-            "state_kind": None, "state": None,
+            "state_kind": None, "state": None, "valid_sides": sorted(self.valid_sides),
         }
         if self.state is not None:
-            state["state_kind"] = "eigen" if isinstance(self.state, EigenState) else "inverse"
+            state["state_kind"] = "inverse" if self.state.symmetric else "eigen"
             state["state"] = [t.clone() for t in self.state.tensors()]
         return state
 
@@ -178,11 +200,6 @@ class KFACLayer:
         self.g.value = state["G"]  # type: ignore[assignment]
         self.decomposition_failures = int(state["decomposition_failures"])  # type: ignore[arg-type]
         self.nonfinite_factor_skips = int(state["nonfinite_factor_skips"])  # type: ignore[arg-type]
-        tensors = state["state"]
         kind = state["state_kind"]
-        if kind is None:
-            self.state = None
-        elif kind == "eigen":
-            self.state = EigenState(*tensors)  # type: ignore[misc]
-        else:
-            self.state = InverseState(*tensors)  # type: ignore[misc]
+        self.state = None if kind is None else make_state(kind, state["state"])  # type: ignore[arg-type]
+        self.valid_sides = set(state["valid_sides"])  # type: ignore[call-overload]

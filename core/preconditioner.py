@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from core.config import (
     KFACConfig,
     check_scheduled_value,
     config_from_options,
-    resolve_interval,
+    update_due,
 )
 from core.hyper import value_at
 from core.inverse import kl_clip_factor
@@ -54,6 +54,29 @@ def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]]
         if helper_for(module) is not None:
             found.append((name, module))
     return found
+
+
+def build_layers(model: nn.Module, config: KFACConfig,
+                 grad_multiplier: Callable[[], float]) -> list[KFACLayer]:
+    """One :class:`KFACLayer` per supported, trainable, not-skipped module, in model order."""
+    return [
+        KFACLayer(name, helper, scaling=config.factor_scaling,
+                  factor_dtype=getattr(torch, config.factor_dtype),
+                  grad_multiplier=grad_multiplier)
+        for name, module in discover_layers(model, config.skip_layers)
+        if (helper := helper_for(module)) is not None
+    ]
+
+
+def memory_report(layers: Iterable[KFACLayer], strategy: Strategy) -> dict[str, int]:
+    """Bytes held for K-FAC: ``factors``, ``inverses``, ``buffers`` and ``total``."""
+    usage = {"factors": 0, "inverses": 0, "buffers": 0}
+    for layer in layers:
+        for key, value in layer.memory_usage().items():
+            usage[key] += value
+    usage["buffers"] += strategy.buffer_bytes()
+    usage["total"] = sum(usage.values())
+    return usage
 
 
 class KFACPreconditioner:
@@ -97,7 +120,6 @@ class KFACPreconditioner:
         self.steps = 0
         self.skipped_overflow_steps = 0
         self.last_kl_scale = 1.0
-        self.factor_dtype = getattr(torch, self.config.factor_dtype)
         self.inverse_dtype = getattr(torch, self.config.inverse_dtype)
 
         if strategy_impl is None:
@@ -107,17 +129,13 @@ class KFACPreconditioner:
         self.strategy = strategy_impl
         self._loss_scale_cache: float | None = None
 
-        self.layers = [
-            KFACLayer(name, helper, scaling=self.config.factor_scaling,
-                      factor_dtype=self.factor_dtype, grad_multiplier=self._grad_multiplier)
-            for name, module in discover_layers(model, self.config.skip_layers)
-            if (helper := helper_for(module)) is not None
-        ]
+        self.layers = build_layers(model, self.config, self._grad_multiplier)
         if not self.layers:
             warnings.warn("KFACPreconditioner found no supported layers (Linear, Conv2d) in the "
                           "model; step() leaves every gradient first-order", stacklevel=2)
         self.strategy.setup(self.layers, method=self.config.inverse_method,
                             dtype=self.inverse_dtype)
+        self.strategy.set_step(0)
         self._capturing = self._factor_update_due(0)
         params = list(model.parameters())
         self.timer = StageTimer(synchronize_cuda=bool(params) and params[0].is_cuda)
@@ -158,8 +176,7 @@ class KFACPreconditioner:
         return self.config.accumulation_steps / self._loss_scale_cache
 
     def _factor_update_due(self, step: int) -> bool:
-        return step % resolve_interval("factor_update_steps",
-                                       self.config.factor_update_steps, step) == 0
+        return update_due("factor_update_steps", self.config.factor_update_steps, step)
 
     # The step --------------------------------------------------------------------------------
     def _hyper(self, name: str, low: float) -> float:
@@ -198,14 +215,13 @@ class KFACPreconditioner:
                     layer.update_running_factors(decay)
 
         damping = self._hyper("damping", 0.0)
-        if step % resolve_interval("inv_update_steps", cfg.inv_update_steps, step) == 0:
+        if update_due("inv_update_steps", cfg.inv_update_steps, step):
             if self._enabled("inversion"):
                 with timer.stage("inversion"):
                     for layer in self.layers:
-                        if strategy.inverts(layer):
-                            layer.compute_inverse(method=cfg.inverse_method, damping=damping,
-                                                  split=cfg.damping_split,
-                                                  dtype=self.inverse_dtype)
+                        layer.compute_inverse(method=cfg.inverse_method, damping=damping,
+                                              split=cfg.damping_split, dtype=self.inverse_dtype,
+                                              sides=strategy.inverse_sides(layer))
             if self._enabled("inverse_comm"):
                 with timer.stage("inverse_comm"):
                     strategy.communicate_inverses(self.layers)
@@ -220,9 +236,10 @@ class KFACPreconditioner:
                     p = layer.precondition(grad, damping)
                     if p is not None:
                         preconditioned[layer.name] = p
-        if self._enabled("grad_comm"):
+        if self._enabled("grad_comm") and self._enabled("precondition"):
             with timer.stage("grad_comm"):
-                strategy.communicate_gradients(self.layers, preconditioned)
+                with_grad = [layer for layer in self.layers if grads[layer.name] is not None]
+                strategy.communicate_gradients(with_grad, preconditioned)
 
         if self._enabled("scale"):
             with timer.stage("scale"):
@@ -249,19 +266,14 @@ class KFACPreconditioner:
         self.steps += 1
         self._loss_scale_cache = None
         self._capturing = self._factor_update_due(self.steps)
+        self.strategy.set_step(self.steps)
         self.timer.end_step()
 
     # Reporting and state ---------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
         """Bytes this rank holds for K-FAC: ``factors``, ``inverses``, ``buffers`` and ``total``.
         """
-        usage = {"factors": 0, "inverses": 0, "buffers": 0}
-        for layer in self.layers:
-            for key, value in layer.memory_usage().items():
-                usage[key] += value
-        usage["buffers"] += self.strategy.buffer_bytes()
-        usage["total"] = sum(usage.values())
-        return usage
+        return memory_report(self.layers, self.strategy)
 
     def metrics(self) -> dict[str, float]:
         """Scalars worth logging each step: stage times, KL scale, failure and skip counters."""
@@ -279,6 +291,7 @@ class KFACPreconditioner:
             "steps": self.steps,
             "skipped_overflow_steps": self.skipped_overflow_steps,
             "signature": self.strategy.state_signature(),
+            "strategy": self.strategy.state_dict(),
             "layers": {layer.name: layer.state_dict() for layer in self.layers},
         }
 
@@ -297,9 +310,11 @@ class KFACPreconditioner:
                              f"(missing {missing}, unexpected {extra})")
         for layer in self.layers:
             layer.load_state_dict(state["layers"][layer.name])
+        self.strategy.load_state_dict(state["strategy"])
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
         self._capturing = self._factor_update_due(self.steps)
+        self.strategy.set_step(self.steps)
 
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner stops capturing)."""

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from core.capture import CaptureHooks
@@ -32,8 +31,9 @@ from core.config import (
     check_schedulable,
     check_skip_layers,
     config_from_options,
-    resolve_interval,
+    update_due,
 )
+from core.distributed.communicator import Communicator
 from core.factors import RunningFactor
 from core.hyper import value_at
 from core.layers import LayerHelper, helper_for
@@ -78,26 +78,6 @@ def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
     if not per_example:
         return mean
     return mean * (rows.batch if rows.spatial else rows.batch * rows.positions)
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
-def _average_across_ranks(tensor: Tensor) -> Tensor:
-    """Average ``tensor`` over all ranks, in place: one SUM all-reduce, one division by P.
-
-    The official MKOR code averages twice (``ReduceOp.AVG`` and then a division by the world
-    size in its ``sync``), so its vectors come out divided by ``P²``; this divides exactly once.
-    Without an initialised process group of more than one rank it returns ``tensor`` unchanged.
-    """
-    world = _world_size()
-    if world > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor.div_(world)
-    return tensor
 
 
 @dataclass(kw_only=True)
@@ -229,6 +209,8 @@ class Rank1Preconditioner:
         config: A ready configuration; or give its fields as keyword arguments.
         grad_scaler: An AMP ``GradScaler`` whose scale is divided out of captured gradients.
             Unscale the gradients (``scaler.unscale_(optimizer)``) before ``step()``.
+        communicator: Carries the one all-reduce per update and records it in its ledger;
+            by default one on the initialised process group (a world of one otherwise).
         **options: Fields of :attr:`config_type`.
 
     Raises:
@@ -239,7 +221,8 @@ class Rank1Preconditioner:
     interval_field: ClassVar[str] = ""
 
     def __init__(self, model: nn.Module, config: Rank1Config | None = None, *,
-                 grad_scaler: Any = None, **options: Any) -> None:
+                 grad_scaler: Any = None, communicator: Communicator | None = None,
+                 **options: Any) -> None:
         self.config = config_from_options(self.config_type, config, options)
         self.grad_scaler = grad_scaler
         self.dtype: torch.dtype = getattr(torch, self.config.dtype)
@@ -247,7 +230,7 @@ class Rank1Preconditioner:
         self.steps = 0
         self.skipped_overflow_steps = 0
         self._loss_scale_cache: float | None = None
-        self.comm_last: dict[str, Any] = {}
+        self.communicator = communicator or Communicator.from_torch()
 
         threshold = self.config.vocab_size_threshold
         self.layers = [
@@ -291,7 +274,7 @@ class Rank1Preconditioner:
 
     def _update_due(self, step: int) -> bool:
         interval = getattr(self.config, self.interval_field)
-        return step % resolve_interval(self.interval_field, interval, step) == 0
+        return update_due(self.interval_field, interval, step)
 
     # The step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -302,7 +285,7 @@ class Rank1Preconditioner:
         raw gradients. A step with non-finite gradients (an AMP overflow) is left first-order
         and its captured statistics are dropped.
         """
-        self.comm_last = {}
+        self.communicator.ledger.step = self.steps
         grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
         present = [g for g in grads.values() if g is not None]
         if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
@@ -337,24 +320,15 @@ class Rank1Preconditioner:
         self._end_step()
 
     def _communicate(self, vector: Tensor) -> Tensor:
-        """Average the concatenated vectors of all layers across ranks.
+        """Average the concatenated vectors of all layers across ranks, in the wire dtype.
 
-        This is the single call site of second-order communication: the vector is cast to the
-        wire dtype, averaged by :func:`_average_across_ranks`, and what travelled is recorded in
-        :attr:`comm_last` (stage, operation, dtype, elements, bytes, group size: the fields of
-        the communication ledger, which hooks in here). Nothing travels on one process.
+        The single call site of second-order communication: one all-reduce that divides by the
+        world size exactly once (the official MKOR code divides twice, so its vectors come out
+        divided by ``P²``), recorded in the communicator's ledger as stage ``factor_comm``.
+        Nothing travels, and nothing is recorded, on one process.
         """
-        world = _world_size()
-        if world == 1:
-            return vector
-        wire = vector.to(self.comm_dtype)
-        _average_across_ranks(wire)
-        record = {"stage": "factor_comm", "operation": "all_reduce",
-                  "dtype": str(self.comm_dtype).removeprefix("torch."),
-                  "elements": wire.numel(), "bytes": wire.numel() * wire.element_size(),
-                  "group_size": world}
-        self.comm_last = record
-        return wire.to(vector.dtype)
+        return self.communicator.all_reduce(vector, stage="factor_comm", average=True,
+                                            dtype=self.comm_dtype)
 
     def _hyper(self, name: str, **bounds: Any) -> float:
         """A constant-or-scheduled config value at this step, checked against ``bounds``."""
@@ -398,8 +372,9 @@ class Rank1Preconditioner:
     def metrics(self) -> dict[str, float]:
         """Scalars worth logging each step: stage times, communication volume, skip counter."""
         out: dict[str, float] = {f"time/{k}": v for k, v in self.timer.last.items()}
-        out["comm/elements"] = float(self.comm_last.get("elements", 0))
-        out["comm/bytes"] = float(self.comm_last.get("bytes", 0))
+        sent = self.communicator.ledger.select(step=self.steps - 1, stage="factor_comm")
+        out["comm/elements"] = float(sum(entry.elements for entry in sent))
+        out["comm/bytes"] = float(sum(entry.bytes for entry in sent))
         out["skipped_overflow_steps"] = float(self.skipped_overflow_steps)
         return out
 

@@ -4,14 +4,25 @@ A :class:`Strategy` answers, per layer, which rank captures, inverts and precond
 factors, second-order state and preconditioned gradients between ranks. The base class is the
 single-process case: everything local, nothing moves. The distributed strategies of
 KFAC_MATH.md live in ``core.distributed`` and override these methods.
+
+Contract with the preconditioner (per step, on every rank, in this order): ``reduce_factors``
+on factor-update steps; ``inverse_sides`` then ``communicate_inverses`` on inverse-update steps;
+``preconditions`` then ``communicate_gradients`` every step. Every rank makes the same calls, so
+a strategy may issue collectives in any of them.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from torch import Tensor
 
+from core.inverse import SIDES
 from core.kfac_layer import KFACLayer
+
+if TYPE_CHECKING:
+    from core.distributed.communicator import Communicator
 
 
 class Strategy:
@@ -21,6 +32,7 @@ class Strategy:
         name: The strategy's name (``"local"`` here).
         rank: This process's rank.
         world_size: Number of processes.
+        communicator: The communicator (and so the ledger) of a distributed strategy; None here.
     """
 
     name = "local"
@@ -28,6 +40,7 @@ class Strategy:
     def __init__(self) -> None:
         self.rank = 0
         self.world_size = 1
+        self.communicator: Communicator | None = None
 
     @property
     def factor_ranks(self) -> int:
@@ -41,6 +54,9 @@ class Strategy:
     def setup(self, layers: list[KFACLayer], *, method: str, dtype: torch.dtype) -> None:
         """Assign work for ``layers``; called once before the first step."""
 
+    def set_step(self, step: int) -> None:
+        """The preconditioner step that subsequent communication belongs to."""
+
     def captures(self, layer: KFACLayer) -> bool:
         """Whether this rank captures ``layer``'s activations and gradients."""
         return True
@@ -48,9 +64,9 @@ class Strategy:
     def reduce_factors(self, layers: list[KFACLayer]) -> None:
         """Combine the staged batch factors across ranks (in place on ``layer.batch_*``)."""
 
-    def inverts(self, layer: KFACLayer) -> bool:
-        """Whether this rank computes ``layer``'s inverse / eigendecomposition."""
-        return True
+    def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
+        """Which of ``layer``'s factors (``"a"``, ``"g"``) this rank decomposes or inverts."""
+        return SIDES
 
     def communicate_inverses(self, layers: list[KFACLayer]) -> None:
         """Send second-order state from the ranks that inverted to those that precondition."""
@@ -60,7 +76,13 @@ class Strategy:
         return True
 
     def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
-        """Give every rank every layer's preconditioned gradient (fills ``grads`` in place)."""
+        """Give every rank every layer's preconditioned gradient (fills ``grads`` in place).
+
+        Args:
+            layers: The layers that have a gradient this step; which layers have one must agree
+                across ranks (it does under DDP and with ``average_gradients``).
+            grads: The preconditioned gradients this rank computed, by layer name.
+        """
 
     def describe(self) -> str:
         """A human-readable placement table."""
@@ -70,4 +92,9 @@ class Strategy:
         """What a saved state depends on (checked when it is loaded)."""
         return {"strategy": self.name, "world_size": self.world_size}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own resumable state (none here)."""
+        return {}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""

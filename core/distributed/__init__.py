@@ -1,18 +1,20 @@
-"""Distribution of K-FAC work across ranks: assignment, communicator, ledger and strategies."""
+"""Distribution of K-FAC work across ranks: assignment, communicator, ledger and strategies.
 
-from __future__ import annotations
+Entry points others call:
 
-import torch.distributed as dist
+* :func:`make_strategy` — the strategy object for a config (the preconditioner's factory);
+* :class:`Communicator` and :func:`average_gradients` — collectives recorded in a
+  :class:`Ledger`;
+* :func:`simulate` — the ledger and memory of any world size in one process.
+"""
 
-from core.config import KFACConfig
-from core.strategy import Strategy
+from core.distributed.assignment import Assignment, Placement, assign
+from core.distributed.communicator import Communicator, average_gradients
+from core.distributed.ledger import Ledger, LedgerEntry
+from core.distributed.simulate import SimulationReport, simulate
+from core.distributed.strategies import DistributedStrategy, make_strategy
 
-
-def make_strategy(config: KFACConfig) -> Strategy:
-    """The strategy for ``config.strategy``; single-process when not distributed."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return Strategy()
-    raise NotImplementedError(
-        f"strategy={config.canonical_strategy!r} across {dist.get_world_size()} processes is "
-        "not implemented yet"
-    )
+__all__ = [
+    "Assignment", "Communicator", "DistributedStrategy", "Ledger", "LedgerEntry", "Placement",
+    "SimulationReport", "assign", "average_gradients", "make_strategy", "simulate",
+]

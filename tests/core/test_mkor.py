@@ -18,7 +18,6 @@ from torch import nn
 
 from core import ConfigError, MKORConfig, MKORPreconditioner
 from core.mkor import rescale_to_gradient, stabilise, update_inverse
-from core.rank1 import _average_across_ranks
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -352,16 +351,16 @@ def _distributed_worker(rank: int, world: int, init_file: str, out_dir: str) -> 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        averaged = _average_across_ranks(torch.full((3,), float(rank + 1)))
         torch.manual_seed(11)
         model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
         mkor = MKORPreconditioner(model, inv_update_steps=1, comm_dtype="float16")
         x, target = _rank_batch(rank)
         F.mse_loss(model(x), target).backward()
         mkor.step()
-        torch.save({"averaged": averaged,
-                    "vectors": [(layer.a_vec, layer.g_vec) for layer in mkor.layers],
-                    "comm": mkor.comm_last}, Path(out_dir) / f"rank{rank}.pt")
+        entries = [entry.as_tuple() for entry in mkor.communicator.ledger.entries]
+        torch.save({"vectors": [(layer.a_vec, layer.g_vec) for layer in mkor.layers],
+                    "ledger": entries, "metrics": mkor.metrics()},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -377,8 +376,6 @@ def test_all_reduce_averages_dividing_by_the_world_size_once(tmp_path: Path) -> 
     mp.spawn(_distributed_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
              nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for result in results:
-        torch.testing.assert_close(result["averaged"], torch.full((3,), 1.5))
     # Reference: each rank's local statistics, computed in this process, then averaged once.
     local = []
     for rank in range(world):
@@ -396,9 +393,12 @@ def test_all_reduce_averages_dividing_by_the_world_size_once(tmp_path: Path) -> 
                 torch.testing.assert_close(result["vectors"][i][j], expected,
                                            rtol=2e-3, atol=2e-3)
     elements = (18 + 1 + 3) + (12 + 1 + 2)  # Σ (a_dim + g_dim), biases included
-    assert results[0]["comm"] == {"stage": "factor_comm", "operation": "all_reduce",
-                                  "dtype": "float16", "elements": elements,
-                                  "bytes": 2 * elements, "group_size": world}
+    for result in results:
+        (entry,) = result["ledger"]
+        step, stage, op, dtype, recorded_elements, nbytes, group = entry[:7]
+        assert (step, stage, op, dtype) == (0, "factor_comm", "all_reduce", "float16")
+        assert (recorded_elements, nbytes, group) == (elements, 2 * elements, world)
+        assert result["metrics"]["comm/bytes"] == 2 * elements
 
 
 # Training ------------------------------------------------------------------------------

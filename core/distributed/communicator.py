@@ -1,0 +1,410 @@
+"""A thin communicator: bucketing, packed triangles, wire dtype, async, and the ledger.
+
+Every collective goes through here and is recorded in :attr:`Communicator.ledger`, whatever
+moves it (``torch.distributed`` or, for paper-scale simulation, nothing). Collectives over one
+rank are no-ops and are not recorded. Other preconditioners record through the same call, e.g.
+MKOR's rank-1 vectors::
+
+    communicator.all_reduce(vectors, stage="factor_comm", average=True, dtype=torch.float16)
+
+Averaging divides by the group size once, before the sum (so half-precision sums do not
+overflow). ``symmetric`` tensors travel as packed upper triangles when ``pack=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from core.distributed.ledger import Ledger
+from core.distributed.transport import Group, SimulatedTransport, TorchTransport, Transport, Work
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class _TriangleIndex:
+    """Cached flat indices of the upper triangle of ``n × n`` matrices and of its mirror."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        key = (n, device)
+        if key not in self._cache:
+            rows, cols = torch.triu_indices(n, n)
+            self._cache[key] = ((rows * n + cols).to(device), (cols * n + rows).to(device))
+        return self._cache[key]
+
+
+_triangle = _TriangleIndex()
+
+
+def _wire_view(tensor: Tensor, pack: bool) -> Tensor:
+    """``tensor`` flattened, or its packed upper triangle."""
+    if not pack:
+        return tensor.reshape(-1)
+    upper, _ = _triangle(tensor.shape[0], tensor.device)
+    return tensor.reshape(-1).index_select(0, upper)
+
+
+def _store(tensor: Tensor, segment: Tensor, pack: bool) -> None:
+    """Write a received (possibly packed) segment into ``tensor``."""
+    segment = segment.to(tensor.dtype)
+    if not pack:
+        tensor.copy_(segment.view_as(tensor))
+        return
+    upper, lower = _triangle(tensor.shape[0], tensor.device)
+    flat = tensor.view(-1)
+    flat.index_copy_(0, upper, segment)
+    flat.index_copy_(0, lower, segment)
+
+
+@dataclass
+class _Payload:
+    """Tensors travelling in one flat buffer, and how to put results back.
+
+    Attributes:
+        tensors: The tensors, in buffer order.
+        packed: Per tensor, whether it travels as its upper triangle.
+        like: Gives dtype and device when ``tensors`` is empty (an uneven collective's
+            empty segment).
+    """
+
+    tensors: list[Tensor]
+    packed: list[bool]
+    like: Tensor | None = None
+    flat: Tensor = field(init=False)
+    borrowed: bool = field(init=False, default=False)
+
+    def build(self, dtype: torch.dtype | None, scale: float | None) -> Tensor:
+        """Concatenate (and pre-scale, and cast) the wire form of the tensors.
+
+        A single unpacked tensor is sent through a view of itself, without a copy, unless it
+        is scaled or cast.
+        """
+        parts = [_wire_view(t, p) for t, p in zip(self.tensors, self.packed, strict=True)]
+        if not parts:
+            assert self.like is not None
+            flat = self.like.new_empty(0)
+        elif len(parts) == 1:
+            flat = parts[0] if scale is None else parts[0] / scale
+            self.borrowed = scale is None and not self.packed[0]
+        else:
+            flat = torch.cat(parts)
+            if scale is not None:
+                flat.div_(scale)
+        self.flat = flat if dtype is None else flat.to(dtype)
+        self.borrowed = self.borrowed and self.flat.dtype == self.tensors[0].dtype
+        return self.flat
+
+    @property
+    def rounded(self) -> bool:
+        """Whether the wire dtype differs from the tensors' (so the sender must adopt the
+        rounded values too, or ranks would hold different data)."""
+        return bool(self.tensors) and self.flat.dtype != self.tensors[0].dtype
+
+    def unpack(self) -> None:
+        """Copy the flat buffer back into the tensors."""
+        offset = 0
+        for tensor, pack in zip(self.tensors, self.packed, strict=True):
+            n = tensor.shape[0] * (tensor.shape[0] + 1) // 2 if pack else tensor.numel()
+            _store(tensor, self.flat[offset:offset + n], pack)
+            offset += n
+
+
+class Pending:
+    """Started collectives; :meth:`wait` completes them and writes the results back."""
+
+    def __init__(self, works: list[Work], finish: Callable[[], None],
+                 release: Callable[[], None]) -> None:
+        self._works = works
+        self._finish = finish
+        self._release = release
+
+    @classmethod
+    def done(cls) -> Pending:
+        """A collective with nothing to do (a group of one, or no tensors)."""
+        return cls([], lambda: None, lambda: None)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._finish()
+        self._release()
+
+
+class HasGrad(Protocol):
+    """Anything with a ``.grad`` (a parameter)."""
+
+    grad: Tensor | None
+
+
+class Communicator:
+    """Collectives with bucketing, packing, wire dtype and a ledger, over a transport.
+
+    Args:
+        transport: What moves the buffers (:class:`TorchTransport` or :class:`SimulatedTransport`).
+        bucket_cap_mb: Largest flat buffer of one bucketed collective, in MB.
+        ledger: Where collectives are recorded (a fresh one by default).
+
+    Attributes:
+        ledger: The :class:`~core.distributed.ledger.Ledger` of this rank.
+        peak_buffer_bytes: Most bytes of flat buffers alive at once so far (copies made for
+            the wire; a tensor sent through a view of itself costs nothing).
+    """
+
+    def __init__(self, transport: Transport, *, bucket_cap_mb: float = 25.0,
+                 ledger: Ledger | None = None) -> None:
+        self.transport = transport
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.ledger = ledger if ledger is not None else Ledger(rank=transport.rank)
+        self.peak_buffer_bytes = 0
+        self._live_bytes = 0
+
+    @classmethod
+    def from_torch(cls, **options: Any) -> Communicator:
+        """On the initialised default process group (a no-op world of one if there is none)."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(TorchTransport(), **options)
+        return cls(SimulatedTransport(0, 1), **options)
+
+    @classmethod
+    def simulated(cls, rank: int, world_size: int, **options: Any) -> Communicator:
+        """Rank ``rank`` of a simulated ``world_size``-rank job: records, moves nothing."""
+        return cls(SimulatedTransport(rank, world_size), **options)
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """Device for small control tensors (the backend's: CUDA for NCCL)."""
+        return self.transport.device
+
+    @property
+    def world(self) -> Group:
+        return tuple(range(self.world_size))
+
+    def register_groups(self, groups: Iterable[Sequence[int]]) -> None:
+        """Declare the sub-groups later calls use; call on every rank in the same order."""
+        self.transport.register_groups([tuple(sorted(g)) for g in groups])
+
+    # Bookkeeping ------------------------------------------------------------------------------
+    def _group(self, group: Sequence[int] | None) -> Group:
+        members = self.world if group is None else tuple(sorted(group))
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not in group {members}")
+        return members
+
+    def _buckets(self, tensors: Sequence[Tensor], packed: Sequence[bool]) -> list[_Payload]:
+        """Consecutive tensors of one dtype, up to the bucket cap per buffer."""
+        buckets: list[_Payload] = []
+        size = 0
+        for tensor, pack in zip(tensors, packed, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            current = buckets[-1] if buckets else None
+            if (current is None or current.tensors[0].dtype != tensor.dtype
+                    or size + nbytes > self.bucket_cap_bytes):
+                buckets.append(_Payload([], []))
+                size = 0
+            buckets[-1].tensors.append(tensor)
+            buckets[-1].packed.append(pack)
+            size += nbytes
+        return buckets
+
+    def _pending(self, works: list[Work], payloads: Sequence[_Payload],
+                 finish: Callable[[], None], extra: Sequence[Tensor] = ()) -> Pending:
+        """Wrap started work, counting its own flat buffers (not views of the caller's tensors)
+        towards :attr:`peak_buffer_bytes` until it is waited on."""
+        buffers = [p.flat for p in payloads if not p.borrowed] + list(extra)
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        self._live_bytes += nbytes
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._live_bytes)
+
+        def release() -> None:
+            self._live_bytes -= nbytes
+
+        return Pending(works, finish, release)
+
+    def _record(self, stage: str, op: str, like: Tensor, elements: int, group: Group,
+                traffic_elements: int) -> None:
+        """Record a collective of ``elements`` of ``like``'s dtype."""
+        itemsize = like.element_size()
+        self.ledger.record(stage=stage, op=op, dtype=_dtype_name(like.dtype), elements=elements,
+                           itemsize=itemsize, group_size=len(group),
+                           traffic_bytes=traffic_elements * itemsize)
+
+    @staticmethod
+    def _flags(value: bool | Sequence[bool], n: int) -> list[bool]:
+        return [value] * n if isinstance(value, bool) else list(value)
+
+    # All-reduce ------------------------------------------------------------------------------
+    def start_all_reduce(self, tensors: Sequence[Tensor], *, stage: str, average: bool = False,
+                         op: str = "sum", group: Sequence[int] | None = None,
+                         dtype: torch.dtype | None = None, pack: bool | Sequence[bool] = False
+                         ) -> Pending:
+        """Start a bucketed all-reduce of ``tensors`` (in place once waited on).
+
+        Args:
+            tensors: Tensors to reduce; results overwrite them.
+            stage: Ledger stage name.
+            average: Divide by the group size (``op="sum"`` only).
+            op: ``"sum"``, ``"min"`` or ``"max"``.
+            group: Ranks taking part (all by default).
+            dtype: Wire dtype for floating tensors (their own dtype by default).
+            pack: Per tensor (or for all), send the upper triangle of a symmetric matrix.
+        """
+        members = self._group(group)
+        if len(members) == 1 or not tensors:
+            return Pending.done()
+        if average and op != "sum":
+            raise ValueError(f"average=True needs op='sum', not {op!r}")
+        payloads = self._buckets(tensors, self._flags(pack, len(tensors)))
+        works: list[Work] = []
+        p = len(members)
+        for payload in payloads:
+            wire = dtype if dtype is not None and payload.tensors[0].is_floating_point() else None
+            flat = payload.build(wire, float(p) if average else None)
+            n = flat.numel()
+            self._record(stage, "all_reduce", flat, n, members, 2 * (p - 1) * n // p)
+            works += self.transport.all_reduce(flat, op, members)
+
+        def finish() -> None:
+            for payload in payloads:
+                payload.unpack()
+
+        return self._pending(works, payloads, finish)
+
+    def all_reduce_many(self, tensors: Sequence[Tensor], **options: Any) -> None:
+        """:meth:`start_all_reduce` with ``options``, and wait."""
+        self.start_all_reduce(tensors, **options).wait()
+
+    def all_reduce(self, tensor: Tensor, *, stage: str, average: bool = False, op: str = "sum",
+                   group: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                   pack: bool = False) -> Tensor:
+        """All-reduce one tensor in place and return it (see :meth:`start_all_reduce`)."""
+        self.start_all_reduce([tensor], stage=stage, average=average, op=op, group=group,
+                              dtype=dtype, pack=pack).wait()
+        return tensor
+
+    # Broadcast -------------------------------------------------------------------------------
+    def start_broadcast(self, tensors: Sequence[Tensor], *, src: int, stage: str,
+                        group: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                        pack: bool | Sequence[bool] = False) -> Pending:
+        """Start a bucketed broadcast of ``tensors`` from ``src`` (a global rank) to ``group``.
+
+        On ``src`` the tensors are sent; elsewhere they are overwritten once waited on. With a
+        lower-precision wire ``dtype``, ``src`` keeps the rounded values as well, so every rank
+        ends with identical tensors.
+        """
+        members = self._group(group)
+        if len(members) == 1 or not tensors:
+            return Pending.done()
+        if src not in members:
+            raise ValueError(f"broadcast source {src} is not in group {members}")
+        payloads = self._buckets(tensors, self._flags(pack, len(tensors)))
+        works: list[Work] = []
+        for payload in payloads:
+            wire = dtype if dtype is not None and payload.tensors[0].is_floating_point() else None
+            flat = payload.build(wire, None)
+            n = flat.numel()
+            self._record(stage, "broadcast", flat, n, members, 0 if src == self.rank else n)
+            works += self.transport.broadcast(flat, src, members)
+
+        def finish() -> None:
+            for payload in payloads:
+                if src != self.rank or payload.rounded:
+                    payload.unpack()
+
+        return self._pending(works, payloads, finish)
+
+    # Uneven reduce-scatter and all-gather ----------------------------------------------------
+    def _segments(self, segments: Sequence[Sequence[Tensor]], members: Group,
+                  pack: bool) -> list[_Payload]:
+        if len(segments) != len(members):
+            raise ValueError(f"{len(segments)} segments for a group of {len(members)}")
+        tensors = [t for seg in segments for t in seg]
+        if len({t.dtype for t in tensors}) > 1:
+            raise ValueError("one dtype per uneven collective, got "
+                             f"{sorted({str(t.dtype) for t in tensors})}")
+        like = tensors[0] if tensors else None
+        return [_Payload(list(seg), [pack] * len(seg), like) for seg in segments]
+
+    def reduce_scatter_v(self, segments: Sequence[Sequence[Tensor]], *, stage: str,
+                         average: bool = False, group: Sequence[int] | None = None,
+                         dtype: torch.dtype | None = None, pack: bool = False) -> None:
+        """Sum ``segments[i]`` over the group into group member ``i``'s tensors.
+
+        Every rank passes the same structure (tensors of the same shapes); afterwards this
+        rank's own segment holds the (averaged) sum. Segments may differ in size. One
+        collective, not bucketed.
+        """
+        members = self._group(group)
+        if len(members) == 1 or not any(segments):
+            return
+        payloads = self._segments(segments, members, pack)
+        scale = float(len(members)) if average else None
+        inputs = [payload.build(dtype, scale) for payload in payloads]
+        mine = members.index(self.rank)
+        total = sum(x.numel() for x in inputs)
+        self._record(stage, "reduce_scatter", inputs[mine], total, members,
+                     total - inputs[mine].numel())
+        output = torch.empty_like(inputs[mine])
+        works = self.transport.reduce_scatter(output, inputs, members)
+
+        def finish() -> None:
+            payloads[mine].flat = output
+            payloads[mine].unpack()
+
+        self._pending(works, payloads, finish, extra=[output]).wait()
+
+    def all_gather_v(self, segments: Sequence[Sequence[Tensor]], *, stage: str,
+                     group: Sequence[int] | None = None, dtype: torch.dtype | None = None
+                     ) -> None:
+        """Give every group member every member's tensors; ``segments[i]`` are member ``i``'s.
+
+        This rank's own segment holds its data; the others are receive buffers of the right
+        shapes, filled in place. Segments may differ in size. One collective, not bucketed.
+        With a lower-precision wire ``dtype`` the own segment is rounded like the others.
+        """
+        members = self._group(group)
+        if len(members) == 1 or not any(segments):
+            return
+        payloads = self._segments(segments, members, False)
+        buffers = [payload.build(dtype, None) for payload in payloads]
+        mine = members.index(self.rank)
+        total = sum(b.numel() for b in buffers)
+        self._record(stage, "all_gather", buffers[mine], total, members,
+                     total - buffers[mine].numel())
+        works = self.transport.all_gather(buffers, members)
+
+        def finish() -> None:
+            for i, payload in enumerate(payloads):
+                if i != mine or payload.rounded:
+                    payload.unpack()
+
+        self._pending(works, payloads, finish).wait()
+
+
+def average_gradients(parameters: Iterable[HasGrad], communicator: Communicator, *,
+                      stage: str = "grad_allreduce") -> None:
+    """Average ``.grad`` over all ranks, for training without ``DistributedDataParallel``.
+
+    Parameters without a gradient are skipped; which parameters have one must agree across
+    ranks (it does when every rank runs the same model code). Bucketed like DDP and recorded
+    in ``communicator.ledger`` under ``stage``.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    communicator.all_reduce_many(grads, stage=stage, average=True)

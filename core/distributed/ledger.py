@@ -1,0 +1,144 @@
+"""The communication ledger: every collective a rank takes part in, as data.
+
+Per-worker volumes in the papers' tables are read from here, so they are measured by the code
+path that runs (really, or against a recording transport in :mod:`core.distributed.simulate`),
+not by a separate formula.
+
+Each entry records the *payload* of one collective as this rank sees it (``elements`` and
+``bytes`` on the wire, after packing and dtype conversion) and its ``traffic_bytes``: this
+rank's share of the bytes on the wire under the bandwidth-optimal algorithm for the operation,
+which is what per-worker volume tables report:
+
+==================  ==========================================================================
+op                  ``traffic_bytes`` (``n`` = payload bytes, ``p`` = group size)
+==================  ==========================================================================
+``all_reduce``      ``2(p − 1)/p · n`` received (ring: reduce-scatter, then all-gather)
+``broadcast``       ``n`` received by each non-root, ``0`` for the root
+``all_gather``      ``n − own segment`` received (``n`` is the whole output; may be uneven)
+``reduce_scatter``  ``n − own segment`` sent (``n`` is the whole input; the time-reverse of
+                    an all-gather)
+==================  ==========================================================================
+
+Averaged over the ranks, broadcast, all-gather and reduce-scatter each come to
+``(p − 1)/p · n`` per worker, the convention of KFAC_MATH.md and PAPERS.md.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import astuple, dataclass, field
+
+OPS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One collective as seen by one rank.
+
+    Attributes:
+        step: Preconditioner step the collective belongs to.
+        stage: Pipeline stage (``factor_comm``, ``inverse_comm``, ``grad_comm``,
+            ``grad_allreduce``, or a caller's own name).
+        op: One of :data:`OPS`.
+        dtype: Wire dtype name, e.g. ``"float32"``.
+        elements: Payload elements on the wire.
+        bytes: Payload bytes on the wire.
+        group_size: Ranks taking part.
+        traffic_bytes: This rank's per-worker volume (see the module docstring).
+    """
+
+    step: int
+    stage: str
+    op: str
+    dtype: str
+    elements: int
+    bytes: int
+    group_size: int
+    traffic_bytes: int
+
+    def as_tuple(self) -> tuple[int | str, ...]:
+        """The entry as a plain tuple (for comparing ledgers across processes)."""
+        return astuple(self)
+
+
+@dataclass
+class StageTotals:
+    """Sums over the collectives of one stage."""
+
+    collectives: int = 0
+    elements: int = 0
+    bytes: int = 0
+    traffic_bytes: int = 0
+
+    def add(self, entry: LedgerEntry) -> None:
+        """Count one collective."""
+        self.merge(StageTotals(1, entry.elements, entry.bytes, entry.traffic_bytes))
+
+    def merge(self, other: StageTotals) -> None:
+        """Add another stage's totals."""
+        self.collectives += other.collectives
+        self.elements += other.elements
+        self.bytes += other.bytes
+        self.traffic_bytes += other.traffic_bytes
+
+
+@dataclass
+class Ledger:
+    """Collectives recorded by one rank, tagged with the current preconditioner step.
+
+    Attributes:
+        rank: The rank this ledger belongs to.
+        step: Step tag given to new entries (set by the strategy from the preconditioner).
+        entries: All recorded entries, in issue order.
+    """
+
+    rank: int = 0
+    step: int = 0
+    entries: list[LedgerEntry] = field(default_factory=list)
+
+    def record(self, *, stage: str, op: str, dtype: str, elements: int, itemsize: int,
+               group_size: int, traffic_bytes: int) -> LedgerEntry:
+        """Append one collective and return its entry."""
+        if op not in OPS:
+            raise ValueError(f"unknown collective {op!r}; expected one of {OPS}")
+        entry = LedgerEntry(self.step, stage, op, dtype, elements, elements * itemsize,
+                            group_size, traffic_bytes)
+        self.entries.append(entry)
+        return entry
+
+    def steps(self) -> list[int]:
+        """Steps that have entries, ascending."""
+        return sorted({e.step for e in self.entries})
+
+    def select(self, *, step: int | None = None, stage: str | None = None,
+               op: str | None = None) -> list[LedgerEntry]:
+        """Entries matching every given filter."""
+        return [e for e in self.entries
+                if (step is None or e.step == step) and (stage is None or e.stage == stage)
+                and (op is None or e.op == op)]
+
+    def summary(self, step: int | None = None) -> dict[str, StageTotals]:
+        """Totals per stage, for one step or (``step=None``) over everything recorded."""
+        totals: dict[str, StageTotals] = defaultdict(StageTotals)
+        for entry in self.select(step=step):
+            totals[entry.stage].add(entry)
+        return dict(totals)
+
+    def format_summary(self, step: int | None = None) -> str:
+        """A printable per-stage table of :meth:`summary`."""
+        rows = self.summary(step)
+        when = "all steps" if step is None else f"step {step}"
+        lines = [f"rank {self.rank}, {when}:",
+                 f"  {'stage':<16}{'collectives':>12}{'elements':>16}{'MB':>12}{'traffic MB':>12}"]
+        grand = StageTotals()
+        for stage, t in sorted(rows.items()):
+            lines.append(f"  {stage:<16}{t.collectives:>12}{t.elements:>16,}"
+                         f"{t.bytes / 1e6:>12.3f}{t.traffic_bytes / 1e6:>12.3f}")
+            grand.merge(t)
+        lines.append(f"  {'total':<16}{grand.collectives:>12}{grand.elements:>16,}"
+                     f"{grand.bytes / 1e6:>12.3f}{grand.traffic_bytes / 1e6:>12.3f}")
+        return "\n".join(lines)
+
+    def clear(self) -> None:
+        """Forget all entries (the step tag is kept)."""
+        self.entries.clear()

@@ -1,0 +1,354 @@
+"""The distribution strategies of KFAC_MATH.md ("Distribution") over a :class:`Communicator`.
+
+=============  ======================  ==============  ======================================
+strategy       factors                 inversion       after inversion
+=============  ======================  ==============  ======================================
+``d-kfac``     all-reduce              every rank      nothing
+``comm-opt``   all-reduce              owner           state broadcast to every rank
+``hybrid-opt`` all-reduce              owner           state within the column, ``P`` in rows
+``mem-opt``    all-reduce              owner           ``P`` broadcast from the owner
+``osawa``      reduce-scatter to owner owner           all-gather of ``P``
+``dp-kfac``    none (owner's batch)    owner           ``P`` broadcast from the owner
+=============  ======================  ==============  ======================================
+
+KAISA's three modes are one class: ranks form a grid of ``P·f`` rows by ``1/f`` columns; a
+layer's inverse workers sit in one column, which receives its state and preconditions it, and
+each row receives ``P`` from its member of that column (``f = 1``: comm-opt, ``f = 1/P``:
+mem-opt). DP-KFAC is mem-opt without factor communication, capturing only on the owner.
+
+Consistency rule: whether an owner holds a usable decomposition is data-dependent (first steps,
+failed decompositions), so after each inversion the owners share one flag per factor in a tiny
+MIN all-reduce (stage ``inverse_comm``); every later decision about what moves depends only on
+those flags, the assignment and the shapes, which all ranks share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from core.config import ConfigError, KFACConfig
+from core.distributed.assignment import Assignment, LayerWork, Placement, assign
+from core.distributed.communicator import Communicator
+from core.inverse import SIDES
+from core.kfac_layer import KFACLayer
+from core.strategy import Strategy
+
+
+class DistributedStrategy(Strategy):
+    """What every distributed strategy shares: communicator, assignment, readiness flags.
+
+    Args:
+        config: The preconditioner configuration (assignment, wire options).
+        communicator: The communicator of this rank.
+    """
+
+    def __init__(self, config: KFACConfig, communicator: Communicator) -> None:
+        super().__init__()
+        self.config = config
+        self.communicator = communicator
+        self.rank = communicator.rank
+        self.world_size = communicator.world_size
+        self.wire_dtype = getattr(torch, config.comm_dtype) if config.comm_dtype else None
+        self.pack = config.symmetry_aware
+        self.assignment: Assignment | None = None
+        self.ready: dict[str, bool] = {}
+        self.method = "eigen"
+        self.dtype = torch.float32
+        self._received_bytes = 0
+
+    # Set-up and bookkeeping --------------------------------------------------------------------
+    @property
+    def factor_ranks(self) -> int:
+        return self.world_size
+
+    def worker_groups(self) -> list[tuple[int, ...]]:
+        """Groups that hold all of one layer's work (every rank alone by default)."""
+        return [(r,) for r in range(self.world_size)]
+
+    def communication_groups(self) -> list[tuple[int, ...]]:
+        """Sub-groups this strategy's collectives use (created on every rank at set-up)."""
+        return []
+
+    def setup(self, layers: list[KFACLayer], *, method: str, dtype: torch.dtype) -> None:
+        self.method, self.dtype = method, dtype
+        works = [LayerWork(layer.name, layer.a_dim, layer.g_dim) for layer in layers]
+        self.assignment = assign(works, self.world_size, policy=self.config.assignment,
+                                 cost=self.config.assignment_cost,
+                                 colocate=self.config.colocate_factors,
+                                 groups=self.worker_groups())
+        self.ready = {layer.name: False for layer in layers}
+        self.communicator.register_groups(self.communication_groups())
+
+    def set_step(self, step: int) -> None:
+        self.communicator.ledger.step = step
+
+    def placement(self, layer: KFACLayer) -> Placement:
+        """Where ``layer``'s work goes."""
+        assert self.assignment is not None, "setup() has not run"
+        return self.assignment[layer.name]
+
+    def owner(self, layer: KFACLayer) -> int:
+        """The rank holding both of ``layer``'s factors (owner strategies)."""
+        return self.placement(layer).owner
+
+    def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
+        placement = self.placement(layer)
+        return tuple(side for side in SIDES if placement.rank_of(side) == self.rank)
+
+    def buffer_bytes(self) -> int:
+        """Peak bucket buffers plus the preconditioned-gradient receive buffers of a step."""
+        return self.communicator.peak_buffer_bytes + self._received_bytes
+
+    def describe(self) -> str:
+        assert self.assignment is not None
+        return f"{self.name} over {self.world_size} ranks\n{self.assignment.table()}"
+
+    def state_signature(self) -> dict[str, object]:
+        signature = super().state_signature()
+        signature["rank"] = self.rank
+        if self.assignment is not None:
+            signature["placements"] = self.assignment.as_rows()
+        return signature
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ready": sorted(name for name, ok in self.ready.items() if ok)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ready = set(state["ready"])
+        self.ready = {name: name in ready for name in self.ready}
+
+    # Shared communication ----------------------------------------------------------------------
+    def _all_reduce_factors(self, layers: list[KFACLayer]) -> None:
+        """Average every staged batch factor over all ranks (packed / wire dtype per config)."""
+        tensors = [t for layer in layers if layer.batch_a is not None and layer.batch_g is not None
+                   for t in (layer.batch_a, layer.batch_g)]
+        self.communicator.all_reduce_many(tensors, stage="factor_comm", average=True,
+                                          dtype=self.wire_dtype, pack=self.pack)
+
+    def _sync_ready(self, layers: list[KFACLayer]) -> None:
+        """Share, per factor, whether its inverting rank holds a good decomposition.
+
+        Each rank contributes its own factors' flags and 1 elsewhere; the MIN all-reduce gives
+        every rank the owners' flags.
+        """
+        flags = torch.ones(len(layers), len(SIDES), dtype=torch.uint8)
+        for i, layer in enumerate(layers):
+            placement = self.placement(layer)
+            for j, side in enumerate(SIDES):
+                if placement.rank_of(side) == self.rank:
+                    flags[i, j] = side in layer.valid_sides
+        flags = flags.to(self.communicator.device)
+        self.communicator.all_reduce(flags, stage="inverse_comm", op="min")
+        for layer, row in zip(layers, flags.cpu().tolist(), strict=True):
+            self.ready[layer.name] = all(row)
+
+    def _receive_buffer(self, layer: KFACLayer) -> Tensor:
+        """A fresh tensor for ``layer``'s preconditioned gradient, counted in the buffers."""
+        buffer = torch.empty(layer.g_dim, layer.a_dim, dtype=self.dtype, device=layer.device)
+        self._received_bytes += buffer.numel() * buffer.element_size()
+        return buffer
+
+
+class DKFACStrategy(DistributedStrategy):
+    """D-KFAC: factors all-reduced; every rank inverts and preconditions every layer."""
+
+    name = "d-kfac"
+
+    def reduce_factors(self, layers: list[KFACLayer]) -> None:
+        self._all_reduce_factors(layers)
+
+    def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
+        return SIDES
+
+    def describe(self) -> str:
+        return f"d-kfac over {self.world_size} ranks: every rank inverts every layer"
+
+
+def grad_workers(name: str, fraction: float | None, world_size: int) -> int:
+    """KAISA's gradient-worker count ``max(1, P·f)`` (f = 1 for comm-opt, 1/P for mem-opt
+    and dp-kfac).
+
+    Raises:
+        ConfigError: if ``P·f`` is not an integer dividing ``P``.
+    """
+    fraction = {"comm-opt": 1.0, "mem-opt": 1.0 / world_size,
+                "dp-kfac": 1.0 / world_size}.get(name, fraction)
+    assert fraction is not None, "hybrid-opt needs grad_worker_fraction (checked by KFACConfig)"
+    workers = max(1.0, world_size * fraction)
+    if abs(workers - round(workers)) > 1e-9 or world_size % round(workers):
+        raise ConfigError("grad_worker_fraction", fraction,
+                          f"f with max(1, {world_size}·f) an integer dividing {world_size}")
+    return round(workers)
+
+
+class KAISAStrategy(DistributedStrategy):
+    """KAISA's grid: ``comm-opt`` (f = 1), ``hybrid-opt`` (1/P < f < 1), ``mem-opt`` (f = 1/P).
+
+    Args:
+        config: The preconditioner configuration.
+        communicator: The communicator of this rank.
+        name: ``"comm-opt"``, ``"hybrid-opt"`` (f from the config), ``"mem-opt"`` or
+            ``"dp-kfac"`` (its subclass).
+    """
+
+    def __init__(self, config: KFACConfig, communicator: Communicator, *, name: str) -> None:
+        super().__init__(config, communicator)
+        self.name = name
+        p = self.world_size
+        self.grad_workers = workers = grad_workers(name, config.grad_worker_fraction, p)
+        n_columns = p // workers
+        self.columns = [tuple(range(c, p, n_columns)) for c in range(n_columns)]
+        self.rows = [tuple(range(r * n_columns, (r + 1) * n_columns)) for r in range(workers)]
+        self.row = self.rows[self.rank // n_columns]
+
+    def worker_groups(self) -> list[tuple[int, ...]]:
+        return self.columns
+
+    def communication_groups(self) -> list[tuple[int, ...]]:
+        return self.columns + self.rows
+
+    def state_signature(self) -> dict[str, object]:
+        return super().state_signature() | {"grad_workers": self.grad_workers}
+
+    def reduce_factors(self, layers: list[KFACLayer]) -> None:
+        self._all_reduce_factors(layers)
+
+    def preconditions(self, layer: KFACLayer) -> bool:
+        return self.ready[layer.name] and self.rank in self.placement(layer).group
+
+    def communicate_inverses(self, layers: list[KFACLayer]) -> None:
+        """Share the readiness flags; then, within each column, broadcast every ready layer's
+        state from its inverting ranks (one bucketed broadcast per source rank)."""
+        self._sync_ready(layers)
+        if self.grad_workers == 1:
+            return
+        outgoing: dict[int, tuple[list[Tensor], list[bool]]] = {}
+        received: list[tuple[KFACLayer, str]] = []
+        group = self.columns[self.rank % len(self.columns)]
+        for layer in layers:
+            placement = self.placement(layer)
+            if not self.ready[layer.name] or placement.group != group:
+                continue
+            if layer.state is None:
+                layer.state = layer.empty_state(self.method, self.dtype, layer.device)
+            for side in SIDES:
+                src = placement.rank_of(side)
+                if src != self.rank:
+                    received.append((layer, side))
+                tensors, packs = outgoing.setdefault(src, ([], []))
+                side_tensors = layer.state.side_tensors(side)
+                tensors += side_tensors
+                packs += [self.pack and layer.state.symmetric] * len(side_tensors)
+        pending = [self.communicator.start_broadcast(tensors, src=src, stage="inverse_comm",
+                                                     group=group, dtype=self.wire_dtype,
+                                                     pack=packs)
+                   for src, (tensors, packs) in outgoing.items()]
+        for p in pending:
+            p.wait()
+        for layer, side in received:
+            layer.valid_sides.add(side)
+
+    def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
+        """Within this rank's row, each ready layer's ``P`` comes from the row's member of the
+        layer's column (one bucketed broadcast per source rank)."""
+        self._received_bytes = 0
+        if len(self.row) == 1:
+            return
+        by_src: dict[int, list[Tensor]] = {}
+        for layer in layers:
+            if not self.ready[layer.name]:
+                continue
+            src = next(r for r in self.row if r in self.placement(layer).group)
+            if src != self.rank:
+                grads[layer.name] = self._receive_buffer(layer)
+            by_src.setdefault(src, []).append(grads[layer.name])
+        pending = [self.communicator.start_broadcast(tensors, src=src, stage="grad_comm",
+                                                     group=self.row)
+                   for src, tensors in by_src.items()]
+        for p in pending:
+            p.wait()
+
+
+class DPKFACStrategy(KAISAStrategy):
+    """DP-KFAC: only the owner captures a layer and builds its factors from its local batch;
+    no factor communication; the owner preconditions and broadcasts ``P``."""
+
+    def __init__(self, config: KFACConfig, communicator: Communicator) -> None:
+        super().__init__(config, communicator, name="dp-kfac")
+
+    @property
+    def factor_ranks(self) -> int:
+        return 1
+
+    def captures(self, layer: KFACLayer) -> bool:
+        return self.owner(layer) == self.rank
+
+    def reduce_factors(self, layers: list[KFACLayer]) -> None:
+        """Nothing moves: each owner's factors describe its own local batch."""
+
+
+class OsawaStrategy(DistributedStrategy):
+    """Osawa et al.: factors reduce-scattered to their owners, which invert and precondition;
+    preconditioned gradients all-gathered."""
+
+    name = "osawa"
+
+    def _owned(self, layers: list[KFACLayer], rank: int) -> list[KFACLayer]:
+        return [layer for layer in layers if self.owner(layer) == rank]
+
+    def reduce_factors(self, layers: list[KFACLayer]) -> None:
+        staged = [layer for layer in layers
+                  if layer.batch_a is not None and layer.batch_g is not None]
+        segments = [[t for layer in self._owned(staged, r)
+                     for t in (layer.batch_a, layer.batch_g)] for r in range(self.world_size)]
+        self.communicator.reduce_scatter_v(segments, stage="factor_comm",  # type: ignore[arg-type]
+                                           average=True, dtype=self.wire_dtype, pack=self.pack)
+        for layer in staged:
+            if self.owner(layer) != self.rank:
+                layer.batch_a = layer.batch_g = None
+
+    def communicate_inverses(self, layers: list[KFACLayer]) -> None:
+        self._sync_ready(layers)
+
+    def preconditions(self, layer: KFACLayer) -> bool:
+        return self.ready[layer.name] and self.owner(layer) == self.rank
+
+    def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
+        self._received_bytes = 0
+        ready = [layer for layer in layers if self.ready[layer.name]]
+        for layer in ready:
+            if self.owner(layer) != self.rank:
+                grads[layer.name] = self._receive_buffer(layer)
+        segments = [[grads[layer.name] for layer in self._owned(ready, r)]
+                    for r in range(self.world_size)]
+        self.communicator.all_gather_v(segments, stage="grad_comm")
+
+
+def make_strategy(config: KFACConfig, communicator: Communicator | None = None) -> Strategy:
+    """The strategy for ``config.strategy``.
+
+    Args:
+        config: The preconditioner configuration.
+        communicator: Communicator to use (e.g. a simulated one); by default one on the
+            initialised default process group.
+
+    Returns:
+        A distributed strategy, or the single-process :class:`Strategy` when no communicator is
+        given and ``torch.distributed`` is not initialised or has one rank.
+    """
+    if communicator is None:
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return Strategy()
+        communicator = Communicator.from_torch(bucket_cap_mb=config.bucket_cap_mb)
+    name = config.canonical_strategy
+    if name == "d-kfac":
+        return DKFACStrategy(config, communicator)
+    if name == "osawa":
+        return OsawaStrategy(config, communicator)
+    if name == "dp-kfac":
+        return DPKFACStrategy(config, communicator)
+    return KAISAStrategy(config, communicator, name=name)

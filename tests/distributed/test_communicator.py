@@ -1,0 +1,100 @@
+"""Communicator and ledger on the simulated transport (no processes): what is recorded, and
+that packing, wire dtypes and bucketing put the data back where it was."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from core.distributed import Communicator, average_gradients
+
+
+def _symmetric(n: int) -> torch.Tensor:
+    x = torch.randn(n, n, dtype=torch.float64)
+    return (x + x.T) / 2
+
+
+def test_world_of_one_is_a_no_op() -> None:
+    comm = Communicator.simulated(0, 1)
+    t = torch.ones(4)
+    comm.all_reduce(t, stage="factor_comm", average=True)
+    comm.start_broadcast([t], src=0, stage="inverse_comm").wait()
+    assert torch.equal(t, torch.ones(4)) and comm.ledger.entries == []
+
+
+def test_packed_all_reduce_records_the_triangle_and_restores_the_matrix() -> None:
+    comm = Communicator.simulated(1, 4)
+    a = _symmetric(5)
+    out = comm.all_reduce(a.clone(), stage="factor_comm", average=True, pack=True)
+    # Nothing moves, so the average over 4 "ranks" is this rank's quarter; mirrored exactly.
+    assert torch.equal(out, a / 4)
+    (entry,) = comm.ledger.entries
+    assert (entry.op, entry.dtype, entry.elements, entry.bytes, entry.group_size) == \
+        ("all_reduce", "float64", 15, 120, 4)
+    assert entry.traffic_bytes == 2 * 3 * 15 // 4 * 8
+
+
+def test_half_precision_wire_rounds_and_records_two_bytes() -> None:
+    comm = Communicator.simulated(0, 2)
+    t = torch.tensor([1.0, 1.0 + 2**-13, 3.0])
+    comm.all_reduce(t, stage="factor_comm", dtype=torch.float16)
+    assert t.dtype == torch.float32 and t[1] == 1.0  # rounded to fp16 and back
+    assert comm.ledger.entries[0].dtype == "float16" and comm.ledger.entries[0].bytes == 6
+
+
+def test_broadcast_sender_keeps_rounded_values_so_ranks_agree() -> None:
+    comm = Communicator.simulated(0, 2)
+    t = torch.tensor([1.0 + 2**-13])
+    comm.start_broadcast([t], src=0, stage="inverse_comm", dtype=torch.bfloat16).wait()
+    assert t[0] == 1.0
+    root, = comm.ledger.entries
+    assert root.traffic_bytes == 0
+    receiver = Communicator.simulated(1, 2)
+    receiver.start_broadcast([torch.zeros(3)], src=0, stage="inverse_comm").wait()
+    assert receiver.ledger.entries[0].traffic_bytes == 12
+
+
+def test_bucketing_splits_at_the_cap_and_keeps_order() -> None:
+    comm = Communicator.simulated(0, 2, bucket_cap_mb=100 / 2**20)  # 100 bytes
+    tensors = [torch.full((10,), float(i)) for i in range(5)]  # 40 bytes each
+    comm.all_reduce_many(tensors, stage="grad_allreduce")
+    assert [e.elements for e in comm.ledger.entries] == [20, 20, 10]
+    assert all(torch.equal(t, torch.full((10,), float(i))) for i, t in enumerate(tensors))
+    # Two concatenated buckets are copies; the last, single tensor travels as a view.
+    assert comm.peak_buffer_bytes == 160
+
+
+def test_uneven_reduce_scatter_and_all_gather_record_totals_and_own_share() -> None:
+    comm = Communicator.simulated(1, 3)
+    mats = [[_symmetric(2)], [_symmetric(3), _symmetric(4)], []]
+    own = [m.clone() for m in mats[1]]
+    comm.reduce_scatter_v(mats, stage="factor_comm", average=True, pack=True)
+    assert all(torch.allclose(m, o / 3) for m, o in zip(mats[1], own, strict=True))
+    rs = comm.ledger.entries[-1]
+    assert (rs.op, rs.elements, rs.traffic_bytes) == ("reduce_scatter", 3 + 6 + 10, 3 * 8)
+    comm.all_gather_v([[torch.zeros(2, 3)], [torch.ones(4)], [torch.zeros(5)]],
+                      stage="grad_comm")
+    ag = comm.ledger.entries[-1]
+    assert (ag.op, ag.elements, ag.traffic_bytes) == ("all_gather", 15, 11 * 4)
+
+
+def test_average_gradients_skips_missing_grads_and_is_recorded() -> None:
+    comm = Communicator.simulated(0, 2)
+    params = [SimpleNamespace(grad=torch.ones(3)), SimpleNamespace(grad=None),
+              SimpleNamespace(grad=torch.ones(2, 2))]
+    average_gradients(params, comm)
+    (entry,) = comm.ledger.entries
+    assert (entry.stage, entry.op, entry.elements) == ("grad_allreduce", "all_reduce", 7)
+    assert torch.equal(params[0].grad, torch.full((3,), 0.5))
+
+
+def test_rank_one_vectors_are_a_one_line_call_and_summarised() -> None:
+    comm = Communicator.simulated(0, 8)
+    comm.ledger.step = 3
+    vectors = torch.empty(1000, device="meta")
+    comm.all_reduce(vectors, stage="factor_comm", average=True, dtype=torch.float16)
+    totals = comm.ledger.summary(step=3)["factor_comm"]
+    assert (totals.collectives, totals.elements, totals.bytes) == (1, 1000, 2000)
+    assert "factor_comm" in comm.ledger.format_summary(step=3)
+    assert comm.ledger.summary(step=2) == {}

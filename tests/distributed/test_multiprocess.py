@@ -1,0 +1,240 @@
+"""Every strategy on 4 gloo processes (no DDP) and 2 (DDP), against single-process results.
+
+Spawning is the slow part on small machines, so each world size runs once (module fixtures)
+and every configuration is trained inside the same processes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pytest
+import torch
+
+from core.config import KFACConfig
+from core.distributed import assign, simulate
+from core.distributed.assignment import LayerWork
+from tests.distributed.helpers import LAYER_DIMS, USED_PARAMS, make_model, run_workers
+from tests.distributed.workers import COMMON, STEPS, suite
+
+pytestmark = pytest.mark.distributed
+
+P4_CONFIGS: dict[str, dict[str, Any]] = {
+    "d-kfac": {"strategy": "d-kfac"},
+    "comm-opt": {"strategy": "comm-opt"},
+    "comm-opt-split": {"strategy": "comm-opt", "colocate_factors": False},
+    # Explicit inverses of these rank-deficient factors amplify fp32 reduction-order
+    # differences to ~1e-4, so this one runs in fp64 (and so sends fp64).
+    "comm-opt-inverse-packed": {"strategy": "comm-opt", "inverse_method": "inverse",
+                                "symmetry_aware": True, "factor_dtype": "float64",
+                                "inverse_dtype": "float64"},
+    "comm-opt-fp16": {"strategy": "comm-opt", "comm_dtype": "float16"},
+    "hybrid-opt": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5},
+    "hybrid-opt-split": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5,
+                         "colocate_factors": False},
+    "mem-opt": {"strategy": "mem-opt"},
+    "mpd-kfac-round-robin": {"strategy": "mpd-kfac", "assignment": "round-robin"},
+    "osawa": {"strategy": "osawa", "symmetry_aware": True, "assignment": "contiguous"},
+    "dp-kfac": {"strategy": "dp-kfac", "kl_clip": None},
+}
+P2_CONFIGS: dict[str, dict[str, Any]] = {
+    "d-kfac": {"strategy": "d-kfac"},
+    "comm-opt": {"strategy": "comm-opt"},
+    "hybrid-opt": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5},
+    "mem-opt": {"strategy": "mem-opt"},
+    "osawa": {"strategy": "osawa"},
+    "dp-kfac": {"strategy": "dp-kfac", "kl_clip": None},
+}
+ROUND_TRIPS = {name: P2_CONFIGS[name] for name in ("comm-opt", "mem-opt", "osawa", "dp-kfac")}
+
+FP32_TOLERANCE = 1e-4
+FP16_WIRE_TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def p4() -> list[dict[str, Any]]:
+    """Per rank, the results of every P4 configuration, 4 processes, grads averaged by hand."""
+    return run_workers(suite, 4, P4_CONFIGS, ddp=False, with_unused=False, round_trips={})
+
+
+@pytest.fixture(scope="module")
+def p2() -> list[dict[str, Any]]:
+    """Per rank, every P2 configuration under DDP, with a layer no forward pass uses."""
+    return run_workers(suite, 2, P2_CONFIGS, ddp=True, with_unused=True,
+                       round_trips=ROUND_TRIPS)
+
+
+def _check_against_reference(runs: list[dict[str, Any]], name: str, options: dict) -> None:
+    tolerance = FP16_WIRE_TOLERANCE if options.get("comm_dtype") else FP32_TOLERANCE
+    for rank, run in enumerate(runs):
+        assert max(run["errors"]) < tolerance, (name, rank, run["errors"])
+        if options["strategy"] == "dp-kfac":
+            # The owner-local reference is really different from the global-batch one.
+            assert min(run["global_batch_errors"]) > 1e-3, run["global_batch_errors"]
+        else:
+            assert min(run["kl_scales"]) < 1.0, "the KL clip should be active in this test"
+    first = runs[0]["final_grads"]
+    for rank, run in enumerate(runs[1:], start=1):
+        for param, grad in run["final_grads"].items():
+            assert (grad is None and first[param] is None) or torch.equal(grad, first[param]), \
+                f"{name}: rank {rank} diverged from rank 0 on {param}"
+
+
+@pytest.mark.parametrize("name", P4_CONFIGS)
+def test_four_processes_match_single_process(p4: list[dict[str, Any]], name: str) -> None:
+    _check_against_reference([r["runs"][name] for r in p4], name, P4_CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", P2_CONFIGS)
+def test_ddp_two_processes_match_single_process(p2: list[dict[str, Any]], name: str) -> None:
+    _check_against_reference([r["runs"][name] for r in p2], name, P2_CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", P4_CONFIGS)
+def test_assignment_identical_across_ranks(p4: list[dict[str, Any]], name: str) -> None:
+    rows = [r["runs"][name]["assignment"] for r in p4]
+    assert all(r == rows[0] for r in rows)
+    options = P4_CONFIGS[name]
+    config = KFACConfig(**options)
+    works = [LayerWork(layer, *dims) for layer, dims in LAYER_DIMS.items()]
+    columns = [(0, 2), (1, 3)] if config.strategy == "hybrid-opt" else None
+    if config.canonical_strategy in ("comm-opt", "d-kfac"):
+        columns = [(0, 1, 2, 3)]
+    again = assign(works, 4, policy=config.assignment, colocate=config.colocate_factors,
+                   groups=columns)
+    assert again.as_rows() == rows[0]
+
+
+# Hand-computed ledger volumes --------------------------------------------------------------
+def _tri(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, int, int]]
+                     ) -> dict[tuple[int, str, str, str], list[int]]:
+    """``(step, stage, op, dtype) -> [elements, traffic bytes]`` on ``rank``, from the layer
+    dimensions and the placement alone (P = 4, factors every step, inverses at steps 0, 2)."""
+    p = 4
+    strategy = KFACConfig(**options).canonical_strategy
+    pack = options.get("symmetry_aware", False)
+    wire = options.get("comm_dtype") or options.get("factor_dtype", "float32")
+    size = {"float64": 8, "float32": 4, "float16": 2, "uint8": 1}
+    precond_dtype = options.get("inverse_dtype", "float32")
+    method = options.get("inverse_method", "eigen")
+    dims = {name: LAYER_DIMS[name] for name, _, _ in rows}
+    place = {name: (a_rank, g_rank) for name, a_rank, g_rank in rows}
+    out: dict[tuple[int, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(step: int, stage: str, op: str, dtype: str, elements: int, traffic: int) -> None:
+        out[(step, stage, op, dtype)][0] += elements
+        out[(step, stage, op, dtype)][1] += traffic * size[dtype]
+
+    def factor_size(n: int) -> int:
+        return _tri(n) if pack else n * n
+
+    def state_size(n: int) -> int:
+        return n * n + n if method == "eigen" else (_tri(n) if pack else n * n)
+
+    def column(name: str) -> tuple[int, ...]:
+        if strategy == "comm-opt":
+            return (0, 1, 2, 3)
+        return (0, 2) if place[name][0] % 2 == 0 else (1, 3)
+
+    phi = sum(factor_size(a) + factor_size(g) for a, g in dims.values())
+    psi = sum(a * g for a, g in dims.values())
+    for step in range(STEPS):
+        add(step, "grad_allreduce", "all_reduce", "float32", USED_PARAMS,
+            2 * (p - 1) * USED_PARAMS // p)
+        if strategy in ("d-kfac", "comm-opt", "hybrid-opt", "mem-opt"):
+            add(step, "factor_comm", "all_reduce", wire, phi, 2 * (p - 1) * phi // p)
+        if strategy == "osawa":
+            own = sum(factor_size(a) + factor_size(g) for name, (a, g) in dims.items()
+                      if place[name][0] == rank)
+            add(step, "factor_comm", "reduce_scatter", wire, phi, phi - own)
+        if step % 2 == 0 and strategy != "d-kfac":
+            add(step, "inverse_comm", "all_reduce", "uint8", 2 * len(dims),
+                2 * (p - 1) * 2 * len(dims) // p)
+            if strategy in ("comm-opt", "hybrid-opt"):
+                for name, (a, g) in dims.items():
+                    if rank in column(name):
+                        for side_rank, n in zip(place[name], (a, g), strict=True):
+                            add(step, "inverse_comm", "broadcast", wire, state_size(n),
+                                0 if side_rank == rank else state_size(n))
+        if strategy in ("mem-opt", "dp-kfac"):
+            add(step, "grad_comm", "broadcast", precond_dtype, psi,
+                sum(a * g for name, (a, g) in dims.items() if place[name][0] != rank))
+        if strategy == "hybrid-opt":
+            row = (rank // 2) * 2
+            add(step, "grad_comm", "broadcast", precond_dtype, psi,
+                sum(a * g for name, (a, g) in dims.items()
+                    if row + column(name)[0] != rank))
+        if strategy == "osawa":
+            own = sum(a * g for name, (a, g) in dims.items() if place[name][0] == rank)
+            add(step, "grad_comm", "all_gather", precond_dtype, psi, psi - own)
+    return dict(out)
+
+
+def _summed(ledger: list[tuple]) -> dict[tuple[int, str, str, str], list[int]]:
+    out: dict[tuple[int, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for step, stage, op, dtype, elements, _, _, traffic in ledger:
+        out[(step, stage, op, dtype)][0] += elements
+        out[(step, stage, op, dtype)][1] += traffic
+    return dict(out)
+
+
+@pytest.mark.parametrize("name", P4_CONFIGS)
+def test_ledger_volumes_match_hand_computation(p4: list[dict[str, Any]], name: str) -> None:
+    for rank, result in enumerate(p4):
+        run = result["runs"][name]
+        expected = _expected_ledger(P4_CONFIGS[name], rank, run["assignment"])
+        assert _summed(run["ledger"]) == expected, (name, rank)
+
+
+@pytest.mark.parametrize("name", P4_CONFIGS)
+def test_memory_holds_what_each_rank_should(p4: list[dict[str, Any]], name: str) -> None:
+    """Factors and inverses per rank, by hand: all-reduce strategies keep every factor; osawa
+    and dp-kfac only their own; second-order state wherever the strategy preconditions."""
+    options = P4_CONFIGS[name]
+    strategy = KFACConfig(**options).canonical_strategy
+    factor_size = 8 if options.get("factor_dtype") == "float64" else 4
+    state_size = 8 if options.get("inverse_dtype") == "float64" else 4
+    eigen = options.get("inverse_method", "eigen") == "eigen"
+    for rank, result in enumerate(p4):
+        run = result["runs"][name]
+        place = {layer: (a_rank, g_rank) for layer, a_rank, g_rank in run["assignment"]}
+        factors = inverses = 0
+        for layer, (a, g) in LAYER_DIMS.items():
+            a_rank, g_rank = place[layer]
+            if strategy not in ("osawa", "dp-kfac") or a_rank == rank:
+                factors += (a * a + g * g) * factor_size
+            holds_state = {
+                "d-kfac": True, "comm-opt": True,
+                "hybrid-opt": rank % 2 == a_rank % 2,
+            }.get(strategy, a_rank == rank)
+            if holds_state:
+                inverses += (a * a + g * g + (a + g if eigen else 0)) * state_size
+        assert run["memory"]["factors"] == factors, (name, rank)
+        assert run["memory"]["inverses"] == inverses, (name, rank)
+        assert run["memory"]["total"] == factors + inverses + run["memory"]["buffers"]
+
+
+@pytest.mark.parametrize("name", P4_CONFIGS)
+def test_simulated_ledger_and_memory_equal_real_ones(p4: list[dict[str, Any]], name: str) -> None:
+    options = COMMON | P4_CONFIGS[name]
+    strategy = options.pop("strategy")
+    report = simulate(make_model(), strategy, 4, steps=STEPS, **options)
+    for rank, result in enumerate(p4):
+        real = result["runs"][name]
+        assert [e.as_tuple() for e in report.ranks[rank].ledger.entries] == real["ledger"], \
+            (name, rank)
+        assert report.ranks[rank].memory == real["memory"], (name, rank)
+
+
+@pytest.mark.parametrize("name", ROUND_TRIPS)
+def test_state_dict_round_trip(p2: list[dict[str, Any]], name: str) -> None:
+    for result in p2:
+        trip = result["round_trips"][name]
+        assert trip["max_difference"] == 0.0
+        assert trip["rejected_other_rank"]
+        assert trip["ready"] == ["module.conv", "module.fc1", "module.fc2"]
