@@ -31,9 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import get_linear_schedule_with_warmup, get_polynomial_decay_schedule_with_warmup
 
+from core.distributed.communicator import Communicator
 from core.hybrid import HybridSwitch
 from core.optim import FIRST_ORDER, SecondOrderOptimizer, build_optimizer
-from core.rank1 import BERT_DECODER_PATTERN
+from core.preconditioner import KFACPreconditioner
+from core.rank1 import BERT_DECODER_PATTERN, Rank1Preconditioner
 from data.atomic import atomic_directory
 from data.paths import add_data_dir_argument
 from reproductions.common.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -176,17 +178,28 @@ def preconditioner_of(optimizer: SecondOrderOptimizer) -> Any:
     return precond.preconditioner if isinstance(precond, HybridSwitch) else precond
 
 
+def communicator_of(precond: Any) -> Communicator | None:
+    """The communicator (and so the ledger) a preconditioner's collectives go through."""
+    if isinstance(precond, KFACPreconditioner):
+        return precond.strategy.communicator
+    if isinstance(precond, Rank1Preconditioner):
+        return precond.communicator
+    return None
+
+
 def memory_report(model: torch.nn.Module, optimizer: SecondOrderOptimizer,
                   device: torch.device) -> dict[str, Any]:
-    """Bytes of parameters, first-order state, preconditioner state, and the peak."""
+    """Bytes of parameters, gradients, first-order state and preconditioner state, the peak,
+    and the preconditioner's parts (``preconditioner_parts``)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    base = sum(t.numel() * t.element_size() for state in optimizer.base.state.values()
-               for t in state.values() if isinstance(t, torch.Tensor))
+    first_order = sum(t.numel() * t.element_size() for state in optimizer.base.state.values()
+                      for t in state.values() if isinstance(t, torch.Tensor))
     precond = preconditioner_of(optimizer)
-    usage = precond.memory_usage() if precond is not None else {"total": 0}
+    parts = precond.memory_usage() if precond is not None else {"total": 0}
     report: dict[str, Any] = {"parameters": params, "gradients": params,
-                              "base_optimizer_state": base, "preconditioner": usage,
-                              "optimizer_state": base + usage["total"]}
+                              "first_order_state": first_order,
+                              "preconditioner_state": parts.pop("total"),
+                              "preconditioner_parts": parts}
     if device.type == "cuda":
         report["peak_allocated"] = torch.cuda.max_memory_allocated(device)
     else:
@@ -243,16 +256,36 @@ def _base_step_timer(optimizer: SecondOrderOptimizer, device: torch.device) -> d
     return totals
 
 
-def _ledger(optimizer: SecondOrderOptimizer, model: torch.nn.Module, ctx: DistContext,
-            steps: int, factor_comm: dict[str, int]) -> dict[str, Any] | None:
-    """Bytes moved per stage on this rank: the gradient all-reduce (DDP) and the
-    preconditioner's collectives; None on one process, where nothing moves."""
-    if ctx.world_size == 1:
-        return None
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return {"world_size": ctx.world_size,
-            "stages": {"grad_allreduce": {"payload_bytes": grads * steps, "collectives": steps},
-                       **({"factor_comm": factor_comm} if factor_comm["collectives"] else {})}}
+def _count(totals: dict[str, dict[str, int]], stage: str, *, elements: int, nbytes: int,
+           traffic: int) -> None:
+    entry = totals.setdefault(stage, {"collectives": 0, "elements": 0, "bytes": 0,
+                                      "traffic_bytes": 0})
+    entry["collectives"] += 1
+    entry["elements"] += elements
+    entry["bytes"] += nbytes
+    entry["traffic_bytes"] += traffic
+
+
+def drain_ledger(optimizer: SecondOrderOptimizer, model: torch.nn.Module, ctx: DistContext,
+                 totals: dict[str, dict[str, int]]) -> None:
+    """Add this step's communication to ``totals`` (``core.distributed``'s per-stage fields).
+
+    The preconditioner's collectives come from its communicator's ledger (then cleared, so it
+    does not grow over a long run). DDP's gradient all-reduce is not in any ledger; it is
+    counted as one all-reduce of every gradient, ``2(P-1)/P`` of it received per worker (ring).
+    """
+    communicator = communicator_of(preconditioner_of(optimizer))
+    if communicator is not None:
+        for entry in communicator.ledger.entries:
+            _count(totals, entry.stage, elements=entry.elements, nbytes=entry.bytes,
+                   traffic=entry.traffic_bytes)
+        communicator.ledger.clear()
+    if ctx.world_size > 1:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        elements = sum(g.numel() for g in grads)
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        _count(totals, "grad_allreduce", elements=elements, nbytes=nbytes,
+               traffic=2 * (ctx.world_size - 1) * nbytes // ctx.world_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,7 +335,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     recorder = RunRecorder(paper=PAPER, experiment=cfg.experiment, optimizer=name,
                            config={**cfg.to_dict(), "optimizer": name}, world_size=ctx.world_size,
                            device=ctx.device)
-    factor_comm = {"payload_bytes": 0, "collectives": 0}
+    ledger: dict[str, dict[str, int]] = {}
 
     start, wandb_id = 0, None
     state = load_latest_checkpoint(ckpt_dir, map_location=ctx.device) if args.resume else None
@@ -313,7 +346,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         scaler.load_state_dict(state["scaler"])
         restore_rng_state(state["rng"])
         recorder = RunRecorder.from_data(state["results"])
-        factor_comm = state["factor_comm"]
+        ledger = state["ledger"]
         base_time["base_step"] = state["base_step_s"]
         start, wandb_id = state["step"], state["wandb_id"]
     tracker = Tracker(paper=PAPER, experiment=cfg.experiment, optimizer=name, seed=cfg.seed,
@@ -330,7 +363,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
             "step": step, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
             "rng": capture_rng_state(), "results": recorder.data, "wandb_id": tracker.id,
-            "factor_comm": factor_comm, "base_step_s": base_time["base_step"]})
+            "ledger": ledger, "base_step_s": base_time["base_step"]})
 
     end = cfg.steps if args.stop_after is None else min(cfg.steps, start + args.stop_after)
     progress = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not ctx.is_main,
@@ -360,12 +393,8 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         _sync(ctx.device)
         t2 = time.perf_counter()
 
-        precond = preconditioner_of(optimizer)
-        comm = getattr(precond, "comm_last", None)
-        if comm:
-            factor_comm["payload_bytes"] += comm["bytes"]
-            factor_comm["collectives"] += 1
         metrics = optimizer.metrics()
+        drain_ledger(optimizer, raw_model, ctx, ledger)
         del metrics["lr"]  # the next step's
         step_log = {"loss": loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
                     "time_s": t2 - t0, "optimizer_s": t2 - t1, "lr": lr}
@@ -384,7 +413,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         if done % cfg.checkpoint_every == 0 or done == end:
             if done == cfg.steps:
                 _finalise(recorder, tracker, optimizer, raw_model, ctx, cfg, base_time,
-                          factor_comm)
+                          ledger)
                 if ctx.is_main:
                     with atomic_directory(here / "model") as tmp:
                         raw_model.save_pretrained(tmp)
@@ -397,7 +426,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
 
 def _finalise(recorder: RunRecorder, tracker: Tracker, optimizer: SecondOrderOptimizer,
               model: torch.nn.Module, ctx: DistContext, cfg: PretrainConfig,
-              base_time: dict[str, float], factor_comm: dict[str, int]) -> None:
+              base_time: dict[str, float], ledger: dict[str, dict[str, int]]) -> None:
     """Stage times, memory, ledger and summary of a completed run."""
     precond = preconditioner_of(optimizer)
     stages = dict(precond.timer.totals) if precond is not None else {}
@@ -416,7 +445,7 @@ def _finalise(recorder: RunRecorder, tracker: Tracker, optimizer: SecondOrderOpt
         summary["switched_to_first_order_at_step"] = switch.event.step if switch.event else None
     recorder.update(optimizer_stage_time_s=stages, summary=summary,
                     memory=memory_report(model, optimizer, ctx.device),
-                    ledger=_ledger(optimizer, model, ctx, len(steps), factor_comm))
+                    ledger=ledger if ctx.world_size > 1 else None)
     recorder.finish()
     tracker.summary(summary)
 

@@ -216,15 +216,28 @@ def _mask_seed(*keys: int) -> int:
     return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
 
 
-def collate(examples: Dataset, indices: Sequence[int], tokenizer: PreTrainedTokenizerBase, *,
-            mlm_probability: float, mask_seed: int) -> dict[str, torch.Tensor]:
-    """One masked batch of the given examples (padded to a multiple of 8)."""
+def mlm_collator(tokenizer: PreTrainedTokenizerBase,
+                 mlm_probability: float) -> DataCollatorForLanguageModeling:
+    """transformers' MLM collator: masks ``mlm_probability`` of the non-special tokens (80%
+    ``[MASK]``, 10% random, 10% kept) and pads to a multiple of 8."""
+    return DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_probability,
+                                           pad_to_multiple_of=8)
+
+
+def collate(collator: DataCollatorForLanguageModeling, examples: Dataset,
+            indices: Sequence[int], mask_seed: int) -> dict[str, torch.Tensor]:
+    """One masked batch of the given examples, its masks drawn from ``mask_seed``.
+
+    The collator draws from torch's global CPU generator; it is seeded inside ``fork_rng`` so
+    that the stream everything else draws from (dropout) is left exactly as it was. (The
+    collator's own ``seed`` option refuses to run in processes started by multiprocessing.)
+    """
     rows = examples[list(indices)]
     features = [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(),
                                                                          strict=True)]
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_probability,
-                                               pad_to_multiple_of=8, seed=mask_seed)
-    return dict(collator(features))
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(mask_seed)
+        return dict(collator(features))
 
 
 class PretrainingBatches:
@@ -248,13 +261,12 @@ class PretrainingBatches:
                  micro_batch: int, accumulation: int, world_size: int, rank: int, seed: int,
                  mlm_probability: float) -> None:
         self.examples = examples
-        self.tokenizer = tokenizer
+        self.collator = mlm_collator(tokenizer, mlm_probability)
         self.micro_batch = micro_batch
         self.accumulation = accumulation
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
-        self.mlm_probability = mlm_probability
         self._epoch: tuple[int, np.ndarray] | None = None
 
     def _example(self, k: int) -> int:
@@ -272,22 +284,21 @@ class PretrainingBatches:
 
     def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
         """The masked micro-batch ``micro`` of ``step`` for this process."""
-        return collate(self.examples, self.indices(step, micro), self.tokenizer,
-                       mlm_probability=self.mlm_probability,
-                       mask_seed=_mask_seed(self.seed, step, micro, self.rank))
+        return collate(self.collator, self.examples, self.indices(step, micro),
+                       _mask_seed(self.seed, step, micro, self.rank))
 
 
 def held_out_batches(examples: Dataset, tokenizer: PreTrainedTokenizerBase, *, batch_size: int,
                      count: int, seed: int, mlm_probability: float
                      ) -> list[dict[str, torch.Tensor]]:
     """Up to ``count`` fixed evaluation batches (the same masks for every optimizer)."""
+    collator = mlm_collator(tokenizer, mlm_probability)
     batches = []
     for b in range(count):
         indices = range(b * batch_size, min((b + 1) * batch_size, len(examples)))
         if not indices:
             break
-        batches.append(collate(examples, indices, tokenizer, mlm_probability=mlm_probability,
-                               mask_seed=_mask_seed(seed, b)))
+        batches.append(collate(collator, examples, indices, _mask_seed(seed, b)))
     return batches
 
 

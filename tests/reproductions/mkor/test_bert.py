@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from core.config import ConfigError
+from reproductions.common.launch import run_local
 from reproductions.common.results import load_results
 from reproductions.common.tracking import read_offline_history
 from reproductions.mkor import bert
@@ -33,7 +34,7 @@ def test_three_steps_of_each_optimizer(run_args: list[str], tmp_path: Path,
         assert results["finished"] and results["summary"]["steps"] == 3
         assert results["config"]["optimizer"] == name and results["hardware"]["cuda"] is None
         assert results["optimizer_stage_time_s"]["base_step"] > 0
-        assert results["memory"]["optimizer_state"] > 0
+        assert results["memory"]["first_order_state"] > 0
         assert f"| {name} | 3 |" in out
         assert (here / "model" / "config.json").is_file()
         wandb = results["wandb"]
@@ -45,7 +46,7 @@ def test_three_steps_of_each_optimizer(run_args: list[str], tmp_path: Path,
             s["loss"] for s in results["steps"]]
     second_order = load_results(tmp_path / "out" / "tiny" / "mkor-s0" / "results.json")
     assert second_order["optimizer_stage_time_s"]["precondition"] > 0
-    assert second_order["memory"]["preconditioner"]["total"] > 0
+    assert second_order["memory"]["preconditioner_state"] > 0
     hybrid = load_results(tmp_path / "out" / "tiny" / "mkor-h-s0" / "results.json")
     assert hybrid["summary"]["switched_to_first_order_at_step"] == 2  # tiny.json's eager rule
     assert [s["second_order"] for s in hybrid["steps"]] == [1.0, 0.0, 0.0]
@@ -81,3 +82,19 @@ def test_bad_overrides_name_the_field(run_args: list[str]) -> None:
         bert.main([*run_args, "--set", "lerning_rate=0.1"])
     with pytest.raises(ConfigError, match="optimizers"):
         bert.main([*run_args, "--optimizers", "lamb,adam"])
+
+
+@pytest.mark.distributed
+def test_two_processes_like_torchrun(run_args: list[str], tmp_path: Path) -> None:
+    args = [*run_args, "--optimizers", "lamb,kfac,mkor", "--wandb", "disabled"]
+    per_rank = run_local(bert.main, 2, args, timeout=300)
+    assert [[s["loss"] for s in r["steps"]] for r in per_rank[0]] == [
+        [s["loss"] for s in r["steps"]] for r in per_rank[1]]  # the loss is the global mean
+    for name, stages in (("lamb", set()), ("kfac", {"factor_comm", "inverse_comm"}),
+                         ("mkor", {"factor_comm"})):
+        results = load_results(tmp_path / "out" / "tiny" / f"{name}-s0" / "results.json")
+        assert results["hardware"]["world_size"] == 2
+        ledger = results["ledger"]
+        assert set(ledger) == stages | {"grad_allreduce"}, name
+        assert ledger["grad_allreduce"]["collectives"] == 3
+        assert all(totals["traffic_bytes"] > 0 for totals in ledger.values())

@@ -55,6 +55,11 @@ def test_batches_are_deterministic_and_sharded(prepared) -> None:
                           "next_sentence_label"}
     assert (first["labels"] != -100).any()
     assert not torch.equal(first["input_ids"], one.batch(6, 1)["input_ids"])
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    one.batch(0)
+    assert torch.equal(torch.rand(3), expected)  # masking leaves the global stream (dropout) alone
     # Two processes with half the micro-batch see the same examples as one process.
     ranks = [batches(2, r, 2) for r in (0, 1)]
     for step in (0, 7):
