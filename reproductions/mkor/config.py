@@ -78,7 +78,8 @@ class PretrainConfig:
     text_column: str = _help("text column of parquet/json/Hub corpora", "text")
     tokenizer: str = _help(
         "'wordpiece' (train a lowercase WordPiece vocabulary on the corpus, cached; builtin or "
-        "one .txt corpus), a directory with vocab.txt, or a Hub tokenizer name", "wordpiece")
+        "one .txt corpus), a directory with vocab.txt or a saved tokenizer, or a Hub "
+        "tokenizer name", "wordpiece")
     vocab_size: int = _help("WordPiece vocabulary size when tokenizer is 'wordpiece'", 8000)
     seq_len: int = _help("tokens per example: [CLS] A [SEP] B [SEP] (phase 2: 512)", 128)
     batch_size: int = _help("global examples per optimizer step (phase 2: 32768)", 32)

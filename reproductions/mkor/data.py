@@ -128,7 +128,8 @@ def load_tokenizer(spec: str, corpus: Corpus, *, vocab_size: int, max_length: in
     """The tokenizer: a WordPiece vocabulary trained on the corpus, a local one, or the Hub's.
 
     Args:
-        spec: ``"wordpiece"``, a directory holding ``vocab.txt``, or a Hub tokenizer name.
+        spec: ``"wordpiece"``, a directory holding ``vocab.txt`` or a saved tokenizer (e.g. a
+            model directory written by the entry point), or a Hub tokenizer name.
         corpus: The corpus (``"wordpiece"`` trains on its ``text_file``; cached).
         vocab_size: Size of a trained WordPiece vocabulary.
         max_length: The model's longest sequence.
@@ -145,10 +146,12 @@ def load_tokenizer(spec: str, corpus: Corpus, *, vocab_size: int, max_length: in
                               f"{corpus.description})")
         return bert_tokenizer(wordpiece_vocab(corpus.text_file, vocab_size, data_dir),
                               model_max_length=max_length)
-    if Path(spec).expanduser().is_dir():
-        return bert_tokenizer(Path(spec).expanduser(), model_max_length=max_length)
+    local = Path(spec).expanduser()
+    if (local / "vocab.txt").is_file():
+        return bert_tokenizer(local, model_max_length=max_length)
     try:
-        return AutoTokenizer.from_pretrained(spec, model_max_length=max_length)
+        return AutoTokenizer.from_pretrained(spec, model_max_length=max_length,
+                                             local_files_only=local.is_dir())
     except OSError as exc:
         raise DataUnavailableError(f"tokenizer {spec!r} from the Hugging Face Hub ({exc})",
                                    "go online, or pass --tokenizer DIR (a folder with "
