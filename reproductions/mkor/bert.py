@@ -114,6 +114,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "checkpoint (for wall-time-limited jobs; continue with --resume)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="compute device (auto: the local GPU under torchrun, else CPU)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="CPU threads of this process (default: torch's, all cores; one "
+                             "per process under torchrun). Use 1 on a shared machine: "
+                             "oversubscribed threads slow K-FAC's eigendecompositions hundreds "
+                             "of times")
     add_wandb_argument(parser)
     add_data_dir_argument(parser)
     return parser.parse_args(argv)
@@ -489,6 +494,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
     cfg = build_config(args)
     ctx = init_distributed(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     runs: list[dict[str, Any]] = []
     try:
         if cfg.warm_start is not None and cfg.init_checkpoint is None:
