@@ -9,7 +9,8 @@ entry point's closing table and by ``reproductions.mkor.tables``:
 * an optimizer **reaches** it at the first step whose smoothed loss is at or below the target;
   its iterations are that step + 1 and its time is the summed ``time_s`` of the steps so far
   (training steps only: evaluation and checkpointing are excluded);
-* **speed-up** = LAMB's time to the target / the optimizer's time to the target.
+* **speed-up** = LAMB's time to the target / the optimizer's time to the target, and the same
+  ratio of steps (which, unlike seconds, does not depend on how busy the machine was).
 """
 
 from __future__ import annotations
@@ -112,15 +113,24 @@ def comparison_table(runs: Sequence[dict[str, Any]], window: int) -> str:
         + ("n/a (no LAMB run)" if target is None else f"{target:.4f}"),
         "",
         "| optimizer | steps | final loss | held-out loss | time (s) | optimizer time (s) "
-        "| steps to target | time to target (s) | speed-up vs LAMB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| steps to target | time to target (s) | speed-up in steps | speed-up in time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        speedup = (base.time_to_target_s / row.time_to_target_s
-                   if base and base.time_to_target_s and row.time_to_target_s else None)
+        by_steps, by_time = speedups(base, row)
         lines.append(
             f"| {row.optimizer} | {row.steps} | {row.final_loss:.4f} | "
             f"{_fmt(row.final_eval_loss, '.4f')} | {row.time_s:.1f} | "
             f"{_fmt(row.optimizer_time_s, '.1f')} | {_fmt(row.steps_to_target, 'd')} | "
-            f"{_fmt(row.time_to_target_s, '.1f')} | {_fmt(speedup, '.2f')} |")
+            f"{_fmt(row.time_to_target_s, '.1f')} | {_fmt(by_steps, '.2f')} | "
+            f"{_fmt(by_time, '.2f')} |")
     return "\n".join(lines)
+
+
+def speedups(base: Convergence | None, row: Convergence) -> tuple[float | None, float | None]:
+    """``row``'s speed-up over the baseline in steps and in time to the target (None when
+    either never reaches it)."""
+    if base is None or base.steps_to_target is None or row.steps_to_target is None:
+        return None, None
+    return (base.steps_to_target / row.steps_to_target,
+            base.time_to_target_s / row.time_to_target_s)  # type: ignore[operator]

@@ -32,7 +32,7 @@ def test_steps_and_time_to_lambs_final_loss() -> None:
     assert by_name["kfac"].steps_to_target is None
     assert by_name["mkor"].final_loss == 2.5 and by_name["mkor"].final_eval_loss == 2
     table = comparison_table([lamb, fast, never], window=2)
-    assert "| mkor | 4 | 2.5000 | 2.0000 | 8.0 | 0.4 | 3 | 6.0 | 0.67 |" in table
+    assert "| mkor | 4 | 2.5000 | 2.0000 | 8.0 | 0.4 | 3 | 6.0 | 1.33 | 0.67 |" in table
     assert "| kfac | 4 | 6.0000 | 6.0000 | 2.0 | 0.4 | not reached | not reached |" in table
 
 

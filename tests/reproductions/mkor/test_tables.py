@@ -23,7 +23,7 @@ def test_tables_from_the_committed_results(tmp_path: Path,
         assert f"### {table.id}:" in text
 
     m1 = {(row[0], row[1]): row for row in built[0].rows}
-    exponent = built[0].columns.index("fitted exponent of d")
+    exponent = built[0].columns.index("ours: fitted exponent of d")
     assert m1[("MKOR", "memory (bytes)")][exponent] == pytest.approx(2, abs=0.1)
     assert m1[("MKOR", "communication per update (bytes)")][exponent] == pytest.approx(1, abs=0.1)
     assert m1[("KAISA (K-FAC)", "communication per update (bytes)")][exponent] == pytest.approx(
