@@ -3,17 +3,27 @@
 ``torchrun`` (and Slurm launch templates that call it) set ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`init_distributed` reads them and joins
 the process group (NCCL on GPUs, gloo on CPUs). Run without them, it is a single process.
+:func:`run_local` starts such processes on this machine without ``torchrun`` (an entry point's
+``--workers N``, tests).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import socket
+import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 @dataclass(frozen=True)
@@ -97,3 +107,64 @@ def cleanup() -> None:
     """Leave the process group, if this process joined one (call at the end of a run)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str,
+                 device: str, args: tuple[Any, ...]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    init_distributed(device)
+    try:
+        result = fn(*args)
+    finally:
+        cleanup()
+    with open(Path(out) / f"result{rank}.pkl", "wb") as handle:
+        pickle.dump(result, handle)
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
+              timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` local processes joined as ``torchrun`` would join them.
+
+    Each process gets the ``torchrun`` variables, one thread, and the process group of
+    :func:`init_distributed` (left again when ``fn`` returns), so code written for ``torchrun``
+    runs unchanged. ``fn`` must be importable (a module-level function) and its arguments and
+    result picklable.
+
+    Args:
+        fn: The function each process runs.
+        world_size: Number of processes.
+        *args: Passed to ``fn`` in every process.
+        device: Passed to :func:`init_distributed` (``"cpu"``: gloo).
+        timeout: Seconds before hung processes are killed and TimeoutError is raised.
+
+    Returns:
+        ``fn``'s result in each process, by rank.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a process raised (with its traceback).
+        TimeoutError: the processes did not finish within ``timeout``.
+    """
+    with tempfile.TemporaryDirectory() as out:
+        context = mp.start_processes(
+            _local_entry, args=(fn, world_size, _free_port(), out, device, args),
+            nprocs=world_size, join=False, start_method="spawn")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not context.join(timeout=2.0):
+            if deadline is not None and time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} processes "
+                                   f"did not finish in {timeout} s")
+        results = []
+        for rank in range(world_size):
+            with open(Path(out) / f"result{rank}.pkl", "rb") as handle:
+                results.append(pickle.load(handle))
+        return results
