@@ -8,7 +8,7 @@ import pytest
 
 from reproductions.common.results import RunRecorder
 from reproductions.common.tables import load_tables
-from reproductions.dpkfac.tables import convergence_table, main
+from reproductions.dpkfac.tables import PAPER_CONVERGENCE, convergence_table, main
 from reproductions.dpkfac.validation import validate
 from reproductions.dpkfac.workloads import DP_KFAC, SCHEMES
 
@@ -24,14 +24,17 @@ def test_quick_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     d1 = by_id["D1"]
     rows = {row[1]: dict(zip(d1.columns, row, strict=True)) for row in d1.rows}
     assert list(rows) == [s.label for s in SCHEMES]
-    assert rows["DP-KFAC"]["factor comm (MB)"] == 0
-    assert all(r["factor comm (MB)"] > 0 for label, r in rows.items() if label != "DP-KFAC")
+    assert rows["DP-KFAC"]["ours: factor comm (MB)"] == 0
+    assert all(r["ours: factor comm (MB)"] > 0 for label, r in rows.items() if label != "DP-KFAC")
+    for table in tables:
+        assert table.columns.count("paper") + sum(c.startswith("paper:") for c in table.columns)
+        assert any(c.startswith("ours") for c in table.columns) and table.notes
     ratios = by_id["D1-D3"]
     assert len(ratios.rows) == 3 * (len(SCHEMES) - 1)
     assert all(row[4] > 1 for row in ratios.rows)  # DP-KFAC wins every metric at P = 8
     d4 = by_id["D4"]
     for row in d4.rows:
-        assert row[-2] == pytest.approx(sum(row[2:-2]))
+        assert row[-1] == pytest.approx(sum(row[3:-1]))
     assert by_id["D5"].rows == []
 
 
@@ -45,7 +48,8 @@ def test_convergence_table_reads_results(tmp_path: Path) -> None:
     recorder.write(tmp_path / "fashion_mnist-dp-kfac.json")
     (tmp_path / "fashion_mnist-broken.json").write_text("{")
     table = convergence_table(tmp_path)
-    assert table.rows == [["dp-kfac", 4, 2.0, 936, 0.9, 0.91, None, None, "finished"]]
+    assert table.rows == [["dp-kfac", PAPER_CONVERGENCE, 4, 2.0, 936, 0.9, 0.91, None, None,
+                           "finished"]]
     assert "Skipped fashion_mnist-broken.json" in table.notes
 
 
