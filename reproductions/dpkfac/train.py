@@ -203,11 +203,14 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
                            f"steps {-lowest} to {highest}; delete the newer ones so that every "
                            "worker resumes from the same step")
     step, elapsed, run_id = 0, 0.0, None
+    stage_time = StageTimer()
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        stage_time.totals.update(state["stage_time"])
         if precond is not None:
             precond.load_state_dict(state["precond"])
+            precond.timer.totals.update(state["precond_stage_time"])
         restore_rng_state(state["rng"])
         step, elapsed, run_id = state["step"] + 1, state["elapsed"], state["wandb_id"]
         if ctx.is_main:
@@ -227,9 +230,10 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
             "step": at, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "precond": None if precond is None else precond.state_dict(),
             "rng": capture_rng_state(), "elapsed": elapsed, "wandb_id": tracker.id,
+            "stage_time": dict(stage_time.totals),
+            "precond_stage_time": {} if precond is None else dict(precond.timer.totals),
             "results": recorder.data if ctx.is_main else None})
 
-    stage_time = StageTimer()
     progress = tqdm(total=total, initial=step, desc=name, disable=not ctx.is_main,
                     mininterval=5.0)
     while step < total:

@@ -50,3 +50,5 @@ def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     resumed = load_results(path)
     assert [s["step"] for s in resumed["steps"]] == [0, 1, 2]
     assert resumed["steps"][:2] == run["steps"] and resumed["wandb"]["id"] == run["wandb"]["id"]
+    for stage in ("forward_backward", "factors", "grad_comm"):  # times of the whole run
+        assert resumed["optimizer_stage_time_s"][stage] > run["optimizer_stage_time_s"][stage]
