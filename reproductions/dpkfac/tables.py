@@ -416,8 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gbit", type=float,
                         default=INFINIBAND_100G.bandwidth * 8 / 1e9,
                         help="link bandwidth (Gb/s)")
-    parser.add_argument("--validate", nargs="*", type=int, default=None, metavar="P",
+    parser.add_argument("--validate", nargs="+", type=int, default=None, metavar="P",
                         help="gloo world sizes for D4v (default 2 4; none in --quick)")
+    parser.add_argument("--no-validate", action="store_true", help="skip D4v")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
                         help="where the training results files are read from (D5)")
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "tables.json")
@@ -427,8 +428,8 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     world_size = args.world_size or (8 if args.quick else 64)
     keys = args.models or (["resnet50"] if args.quick else [w.key for w in WORKLOADS])
-    validate_sizes = args.validate if args.validate is not None else ([] if args.quick
-                                                                      else [2, 4])
+    validate_sizes = ([] if args.no_validate else args.validate if args.validate is not None
+                      else [] if args.quick else [2, 4])
     budget = QUICK_BUDGET if args.quick else Budget()
     kernels = KernelTimes(args.inverse_method, budget, torch.device(args.device))
     network = INFINIBAND_100G
