@@ -104,7 +104,7 @@ def hardware_info(world_size: int = 1, device: torch.device | str | None = None
     cuda = (torch.cuda.get_device_name(dev) if dev is not None and dev.type == "cuda"
             and torch.cuda.is_available() else None)
     return {"cpu": _cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cuda": cuda, "world_size": world_size}
+            "torch": str(torch.__version__), "cuda": cuda, "world_size": world_size}
 
 
 def _is_number(value: Any) -> bool:
