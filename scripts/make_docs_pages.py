@@ -4,29 +4,22 @@ For every paper in :data:`PAPERS` this reads ``reproductions/<paper>/results/**/
 
 * **run results** in the ``kfac-repro/results/v1`` schema (``reproductions/common/README.md``),
   read and validated with :func:`reproductions.common.results.load_results`;
-* **rebuilt tables** in the ``kfac-repro/tables/v1`` schema below, written by the reproduction's
-  ``tables.py``;
+* **rebuilt tables** in the ``kfac-repro/tables/v1`` schema of :mod:`reproductions.common.tables`
+  (``reproductions/common/README.md``), written by the reproduction's ``tables.py`` with
+  ``write_tables`` and read back, validated, with ``load_tables``;
 
 and writes ``docs/reproductions/<paper>.md``, its figures ``docs/reproductions/img/<paper>-*.png``
 (matplotlib) and the section index ``docs/reproductions/index.md``. A paper without results gets
 a page that says so; nothing is invented. The pages are committed, so the site builds without
 running experiments, and ``make docs`` regenerates them.
 
-The tables schema, one JSON object per file::
-
-    {"schema": "kfac-repro/tables/v1", "paper": "mkor",
-     "tables": [{"id": "M2", "title": "Per-GPU memory",
-                 "source": "paper Table 5",                      # optional
-                 "rows": [{"what": "BERT-Large, MKOR", "unit": "GB",  # unit optional
-                           "paper": 23.34,                     # number, string or null
-                           "ours": 2.10,                       # number, string or null
-                           "kind": "exact",                    # one of KINDS
-                           "note": "optimizer state only; the paper's is the peak"}],
-                 "deviations": ["..."]}]}                       # optional
-
-``paper`` is always the published number (null when the paper gives none) and ``ours`` is ours,
-labelled by its kind, so a modelled or scaled-down number is never shown as the paper's. A
-reproduction's ``README.md`` section whose heading contains "deviation" is copied into the page.
+Every results table shows the paper's number, ours, and what differs and why: a table needs a
+column whose name starts with "paper" (the published numbers, null where the paper gives none),
+one whose name starts with "ours", and non-empty ``notes``, or the pages are not generated
+(:func:`check_paper_vs_ours`). Its heading names its kind (:data:`KIND_MEANINGS`), so a modelled
+or scaled-down number is never shown as the paper's; its notes are shown under it and again in the
+page's deviations, after the reproduction ``README.md``'s section whose heading contains
+"deviation".
 
 Usage: ``python -m scripts.make_docs_pages [--root DIR] [--docs DIR]``.
 """
@@ -39,7 +32,7 @@ import math
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -47,19 +40,24 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from reproductions.common import tables
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import load_results
+from reproductions.common.tables import Table, markdown_grid
 
-TABLES_SCHEMA = "kfac-repro/tables/v1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-#: What "ours" is, per TABLES.md; every row of a rebuilt table names one.
-KINDS = {
+#: What a table's "ours" numbers are, per kind of :data:`reproductions.common.tables.KINDS`.
+KIND_MEANINGS = {
     "exact": "hardware-independent, computed at the paper's scale by the code that runs",
     "small": "a real run at small scale on the built-in data, same protocol, different numbers",
     "modelled": "measured parts combined by a documented model, not a measurement",
     "needs data": "script ready; runs on the user's copy of the data",
 }
+assert tuple(KIND_MEANINGS) == tables.KINDS, "KIND_MEANINGS must describe tables.KINDS, in order"
+
+#: Every results table needs a column whose name starts with each of these (case-insensitive).
+PAPER_VS_OURS = ("paper", "ours")
 
 NO_RESULTS = "No results are committed for this reproduction yet"
 
@@ -110,29 +108,6 @@ class PagesError(ValueError):
 
 # Reading ----------------------------------------------------------------------------------------
 @dataclass
-class Row:
-    """One row of a rebuilt table: the paper's number, ours, its kind and what differs."""
-
-    what: str
-    paper: Any
-    ours: Any
-    kind: str
-    note: str = ""
-    unit: str = ""
-
-
-@dataclass
-class Table:
-    """A rebuilt table of one paper."""
-
-    id: str
-    title: str
-    rows: list[Row]
-    source: str = ""
-    deviations: list[str] = field(default_factory=list)
-
-
-@dataclass
 class PaperResults:
     """Everything committed for one paper.
 
@@ -152,47 +127,26 @@ class PaperResults:
         return not self.runs and not self.tables
 
 
-def _require(mapping: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
-    value = mapping.get(key)
-    if not isinstance(value, kind):
-        raise PagesError(f"{where}: field '{key}' must be a {kind.__name__}, got {value!r}")
-    return value
-
-
-def parse_tables(data: Mapping[str, Any], where: str) -> list[Table]:
-    """Check a ``kfac-repro/tables/v1`` object and turn it into :class:`Table` objects.
+def check_paper_vs_ours(table: Table, path: Path) -> None:
+    """Check that a table shows the paper's number, ours, and what differs and why.
 
     Args:
-        data: The parsed file.
-        where: How to name the file in errors.
+        table: A table read from ``path``.
+        path: Its tables file, named in the error.
 
     Raises:
-        PagesError: naming the file and the first bad field.
+        PagesError: no column whose name starts with "paper" or "ours" (case-insensitive), or
+            empty ``notes``; the message names the file, the table id and what is missing.
     """
-    tables = []
-    for t, raw in enumerate(_require(data, "tables", list, where)):
-        at = f"{where}: tables[{t}]"
-        if not isinstance(raw, dict):
-            raise PagesError(f"{at} must be an object")
-        rows = []
-        for r, row in enumerate(_require(raw, "rows", list, at)):
-            row_at = f"{at}.rows[{r}]"
-            if not isinstance(row, dict):
-                raise PagesError(f"{row_at} must be an object")
-            kind = row.get("kind")
-            if kind not in KINDS:
-                raise PagesError(f"{row_at}: field 'kind' must be one of {', '.join(KINDS)}, "
-                                 f"got {kind!r}")
-            for key in ("paper", "ours"):
-                if key not in row:
-                    raise PagesError(f"{row_at}: field '{key}' is missing (null if none)")
-            rows.append(Row(what=_require(row, "what", str, row_at), paper=row["paper"],
-                            ours=row["ours"], kind=kind, note=row.get("note") or "",
-                            unit=row.get("unit") or ""))
-        tables.append(Table(id=_require(raw, "id", str, at), title=_require(raw, "title", str, at),
-                            rows=rows, source=raw.get("source") or "",
-                            deviations=list(raw.get("deviations") or [])))
-    return tables
+    where = f"{path}: table {table.id!r}"
+    for prefix in PAPER_VS_OURS:
+        if not any(column.strip().lower().startswith(prefix) for column in table.columns):
+            raise PagesError(f"{where}: field 'columns' has no column named '{prefix}...' "
+                             f"(got {table.columns}); every results table shows the paper's "
+                             "number and ours")
+    if not table.notes.strip():
+        raise PagesError(f"{where}: field 'notes' is empty; it says how ours were made and what "
+                         "differs from the paper and why")
 
 
 def readme_section(text: str, keyword: str) -> str:
@@ -233,7 +187,8 @@ def read_paper(directory: Path) -> PaperResults:
         directory: ``reproductions/<paper>``; it may be missing.
 
     Raises:
-        PagesError: a JSON file does not parse, or a tables file breaks its schema.
+        PagesError: a JSON file does not parse, or a table breaks :func:`check_paper_vs_ours`.
+        reproductions.common.tables.TablesError: a tables file breaks its schema.
         reproductions.common.results.ResultsError: a run results file breaks its schema.
     """
     found = PaperResults()
@@ -245,11 +200,14 @@ def read_paper(directory: Path) -> PaperResults:
         schema = data.get("schema") if isinstance(data, dict) else None
         if schema == RESULTS_SCHEMA:
             found.runs.append(load_results(path))
-        elif schema == TABLES_SCHEMA:
-            found.tables.extend(parse_tables(data, str(path)))
+        elif schema == tables.SCHEMA:
+            _, file_tables = tables.load_tables(path)
+            for table in file_tables:
+                check_paper_vs_ours(table, path)
+            found.tables.extend(file_tables)
         else:
             print(f"make_docs_pages: skipping {path}: schema {schema!r} is neither "
-                  f"{RESULTS_SCHEMA!r} nor {TABLES_SCHEMA!r}", file=sys.stderr)
+                  f"{RESULTS_SCHEMA!r} nor {tables.SCHEMA!r}", file=sys.stderr)
     found.runs.sort(key=lambda r: (r["experiment"], r["optimizer"], str(run_seed(r))))
     readme = directory / "README.md"
     if readme.is_file():
@@ -282,31 +240,6 @@ def fmt(value: Any, unit: str = "") -> str:
     else:
         text = str(value)
     return f"{text} {unit}".strip() if unit else text
-
-
-def cell(text: str) -> str:
-    """Escape a value for a Markdown table cell."""
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    """A Markdown table (cells escaped)."""
-    lines = ["| " + " | ".join(cell(h) for h in header) + " |",
-             "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def render_table(table: Table) -> str:
-    """A rebuilt table: what, the paper's number, ours, its kind and what differs and why."""
-    heading = f"### {table.id}: {table.title}"
-    source = f"\n\nPaper's numbers from {table.source}." if table.source else ""
-    body = markdown_table(
-        ("what", "paper (published)", "ours", "kind of ours", "what differs and why"),
-        ((row.what, fmt(row.paper, row.unit) if row.paper is not None else "not published",
-          fmt(row.ours, row.unit) if row.ours is not None else "not run yet",
-          row.kind, row.note or "—") for row in table.rows))
-    return f"{heading}{source}\n\n{body}"
 
 
 # Figures ----------------------------------------------------------------------------------------
@@ -446,8 +379,8 @@ def runs_table(runs: Sequence[Mapping[str, Any]]) -> str:
         rows.append((run_label(run), fmt(last), fmt(seconds, "s"),
                      f"{hw['world_size']} × {device}", (run["git_revision"] or "—")[:12],
                      "finished" if run["finished"] else "interrupted or in progress"))
-    return markdown_table(("run", "last step", "training time", "processes × device", "commit",
-                           "state"), rows)
+    return markdown_grid(("run", "last step", "training time", "processes × device", "commit",
+                          "state"), rows)
 
 
 def summary_table(runs: Sequence[Mapping[str, Any]]) -> str:
@@ -456,8 +389,8 @@ def summary_table(runs: Sequence[Mapping[str, Any]]) -> str:
     keys = sorted({k for s in summaries for k in s})
     if not keys:
         return ""
-    return markdown_table(("summary", *(run_label(r) for r in runs)),
-                          ((k, *(fmt(s.get(k)) for s in summaries)) for k in keys))
+    return markdown_grid(("summary", *(run_label(r) for r in runs)),
+                         [(k, *(fmt(s.get(k)) for s in summaries)) for k in keys])
 
 
 def experiment_section(paper: str, experiment: str, runs: Sequence[Mapping[str, Any]],
@@ -478,8 +411,14 @@ def experiment_section(paper: str, experiment: str, runs: Sequence[Mapping[str, 
 
 
 def kinds_legend() -> str:
-    """The legend of the "kind of ours" column."""
-    return markdown_table(("kind of ours", "meaning"), KINDS.items())
+    """The legend of the kinds named in the tables' headings."""
+    return markdown_grid(("kind of ours", "meaning"), KIND_MEANINGS.items())
+
+
+def noted_with_tables(rebuilt: Sequence[Table]) -> str:
+    """A Markdown list of each table's notes, continuation lines indented under their item."""
+    return "\n".join(f"- **{table.id}**: " + table.notes.strip().replace("\n", "\n    ")
+                     for table in rebuilt)
 
 
 def paper_page(paper: Paper, results: PaperResults, img_dir: Path) -> str:
@@ -497,12 +436,14 @@ def paper_page(paper: Paper, results: PaperResults, img_dir: Path) -> str:
         return "\n\n".join(parts) + "\n"
     parts.append("## Paper vs ours")
     if results.tables:
-        parts.append("Every row shows the paper's published number, ours, and what kind of "
-                     "number ours is:\n\n" + kinds_legend())
-        parts += [render_table(table) for table in results.tables]
+        parts.append("Every table shows the paper's numbers (its `paper` columns; — where the "
+                     "paper gives none), ours (its `ours` columns) and, under it, how ours were "
+                     "made and what differs and why. Its heading names what kind of number ours "
+                     "are:\n\n" + kinds_legend())
+        parts += [table.markdown() for table in results.tables]
     else:
         parts.append("No rebuilt tables are committed yet (the reproduction's `tables.py` "
-                     f"writes them as `{TABLES_SCHEMA}` files under `results/`).")
+                     f"writes them as `{tables.SCHEMA}` files under `results/`).")
     parts.append("## Runs")
     if results.runs:
         by_experiment: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -515,10 +456,9 @@ def paper_page(paper: Paper, results: PaperResults, img_dir: Path) -> str:
     parts.append("## Deviations")
     if results.deviations:
         parts.append(results.deviations)
-    noted = [f"- **{t.id}**: {d}" for t in results.tables for d in t.deviations]
-    if noted:
-        parts += ["### Noted with the tables", "\n".join(noted)]
-    if not results.deviations and not noted:
+    if results.tables:
+        parts += ["### Noted with the tables", noted_with_tables(results.tables)]
+    if not results.deviations and not results.tables:
         parts.append("None recorded yet: the reproduction's README and tables list them.")
     return "\n\n".join(parts) + "\n"
 
@@ -539,18 +479,24 @@ def index_page(status: Mapping[str, PaperResults]) -> str:
         "`reproductions/<paper>/results/` by `scripts/make_docs_pages.py` (run by `make docs`): "
         "each of the paper's tables side by side with ours, the runs behind them with their "
         "curves, time, communication and memory, and the deviations.",
-        markdown_table(("paper", "claim", "committed"), rows),
+        markdown_grid(("paper", "claim", "committed"), rows),
         "What kind of number each of ours is:",
         kinds_legend(),
         "## Adding results",
         "A reproduction commits, under `reproductions/<paper>/results/`, one results file per "
         f"run in the `{RESULTS_SCHEMA}` schema (written by "
         "`reproductions.common.results.RunRecorder`) and its rebuilt tables in the "
-        f"`{TABLES_SCHEMA}` schema: `{{\"schema\", \"paper\", \"tables\": [{{\"id\", "
-        "\"title\", \"source\", \"deviations\", \"rows\": [{\"what\", \"paper\", \"ours\", "
-        "\"kind\", \"note\", \"unit\"}]}]}`, where `paper` is the published number or null, "
-        "`kind` one of the kinds above, and `source`, `deviations`, `note` and `unit` optional. "
-        "The section of its `README.md` whose heading names deviations is copied into its page. "
+        f"`{tables.SCHEMA}` schema (written by `reproductions.common.tables.write_tables`, "
+        "described in `reproductions/common/README.md`): `{\"schema\", \"paper\", "
+        "\"tables\": [{\"id\", \"title\", \"kind\", \"columns\", \"rows\", \"notes\"}]}`, "
+        "where `kind` is one of the kinds above, `columns` the column names and `rows` one list "
+        "of cells (string, number or null) per row. Every table shows the paper's number, ours, "
+        "and what differs and why: at least one column named `paper…` (the published numbers, "
+        "null where the paper gives none), one named `ours…`, and `notes` saying how ours were "
+        "made, where the paper's numbers come from and what differs and why; the pages are not "
+        "generated otherwise. The notes are shown under each table and listed with the "
+        "deviations, after the section of the reproduction's `README.md` whose heading names "
+        "deviations. "
         "`make docs` regenerates the pages; `make test` fails while a committed page is stale.",
     ]) + "\n"
 

@@ -5,11 +5,11 @@ project ``kfac-repro-<paper>``, group ``<experiment>``, run ``<experiment>-<opti
 job type ``<optimizer>``. This script adds, per paper:
 
 * ``tables``: one run in group ``tables`` (named ``tables``, job type ``tables``) that logs every
-  figure of the paper's rebuilt tables once, as ``<table id>/<row>/paper`` and
-  ``<table id>/<row>/ours``, plus each table as a ``wandb.Table``; W&B keeps the last logged
-  value of a key as the run's summary, so the summary carries every table's figures. The mode is
-  ``online`` only when logged in (``--mode`` overrides), else the run is written offline under
-  ``--dir`` (upload with ``wandb sync``).
+  numeric cell of the paper's rebuilt tables (``reproductions.common.tables``) once, as
+  ``<table id>/<row>/<column>`` (:func:`table_figures`), plus each table as a ``wandb.Table``;
+  W&B keeps the last logged value of a key as the run's summary, so the summary carries every
+  table's figures. The mode is ``online`` only when logged in (``--mode`` overrides), else the
+  run is written offline under ``--dir`` (upload with ``wandb sync``).
 * ``dashboards`` (needs a login): a W&B report with the paper's tables beside ours and, per
   experiment (group), a panel grid of that group's runs; and a saved workspace view with the
   same panels. The metrics shown are discovered from the project's runs with ``wandb.Api``; the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,16 +37,9 @@ import wandb_workspaces.reports.v2 as wr
 import wandb_workspaces.workspaces as ws
 
 from reproductions.common.results import git_revision
+from reproductions.common.tables import Table, format_cell
 from reproductions.common.tracking import MODES, resolve_mode, wandb_logged_in
-from scripts.make_docs_pages import (
-    PAPERS,
-    REPO_ROOT,
-    Paper,
-    Table,
-    fmt,
-    read_paper,
-    render_table,
-)
+from scripts.make_docs_pages import PAPERS, REPO_ROOT, Paper, read_paper
 
 TABLES_GROUP = "tables"
 WORKSPACE_NAME = "kfac-repro"
@@ -59,19 +53,39 @@ def project_name(paper: str) -> str:
 
 
 def slug(text: str) -> str:
-    """A metric-name-safe form of a table row's label."""
+    """A metric-name-safe form of a table's row label or column name."""
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
+def row_slugs(table: Table) -> list[str]:
+    """Each row's key: the slug of its first cell, made unique within the table.
+
+    A label that repeats (two rows of one model, say) gets ``_2``, ``_3``, ... on its second,
+    third, ... row, so their figures do not overwrite each other; an empty one is ``row_<n>``
+    (1-based).
+    """
+    seen: Counter[str] = Counter()
+    keys = []
+    for n, row in enumerate(table.rows, start=1):
+        key = slug(format_cell(row[0])) or f"row_{n}"
+        seen[key] += 1
+        keys.append(key if seen[key] == 1 else f"{key}_{seen[key]}")
+    return keys
+
+
 def table_figures(tables: Sequence[Table]) -> dict[str, float]:
-    """Every numeric figure of the tables, keyed ``<table id>/<row>/paper|ours``."""
+    """Every numeric cell of the tables, keyed ``<table id>/<row>/<column>``.
+
+    ``<row>`` is the slug of the row's first cell (:func:`row_slugs`) and ``<column>`` that of
+    the column's name, e.g. ``D1/resnet_50/ours_mb``.
+    """
     figures = {}
     for table in tables:
-        for row in table.rows:
-            for side in ("paper", "ours"):
-                value = getattr(row, side)
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    figures[f"{table.id}/{slug(row.what)}/{side}"] = float(value)
+        columns = [slug(column) for column in table.columns]
+        for key, row in zip(row_slugs(table), table.rows, strict=True):
+            for column, value in zip(columns, row, strict=True):
+                if isinstance(value, int | float):
+                    figures[f"{table.id}/{key}/{column}"] = float(value)
     return figures
 
 
@@ -92,12 +106,10 @@ def log_tables(paper: Paper, tables: Sequence[Table], directory: Path, mode: str
                      job_type=TABLES_GROUP, mode=mode, dir=str(directory),
                      config={"git_revision": git_revision(), "tables": [t.id for t in tables]},
                      settings=wandb.Settings(console="off"))
-    columns = ["what", "paper", "ours", "kind", "what differs and why"]
     logged: dict[str, Any] = dict(table_figures(tables))
     for table in tables:
-        logged[f"{table.id}/table"] = wandb.Table(columns=columns, data=[
-            [row.what, fmt(row.paper, row.unit), fmt(row.ours, row.unit), row.kind, row.note]
-            for row in table.rows])
+        logged[f"{table.id}/table"] = wandb.Table(
+            columns=table.columns, data=[[format_cell(c) for c in row] for row in table.rows])
     run.log(logged, step=0)
     run.finish()
     return run
@@ -149,14 +161,14 @@ def build_report(paper: Paper, entity: str, tables: Sequence[Table],
     Args:
         paper: The reproduction.
         entity: The W&B entity owning the project.
-        tables: Its rebuilt tables (shown as Markdown, the paper's number beside ours).
+        tables: Its rebuilt tables (shown as :meth:`Table.markdown`).
         experiments: Experiment (group) to the metrics to plot, from :func:`discover_metrics`.
     """
     project = project_name(paper.slug)
     blocks: list[Any] = [wr.P(paper.claim), wr.MarkdownBlock(paper.citation)]
     if tables:
         blocks.append(wr.H2("Paper vs ours"))
-        blocks += [wr.MarkdownBlock(render_table(table)) for table in tables]
+        blocks += [wr.MarkdownBlock(table.markdown()) for table in tables]
     for experiment, metrics in experiments.items():
         blocks += [wr.H2(experiment), wr.PanelGrid(
             runsets=[wr.Runset(entity=entity, project=project, name=experiment,

@@ -11,16 +11,18 @@ A reproduction's ``tables.py`` builds :class:`Table` objects, writes them with
                  "rows": [["ResNet-50", "DP-KFAC", null, 100.4, ...], ...],
                  "notes": "how the numbers were made, the paper's source, deviations"}]}
 
-Cells are strings, numbers or null (NaN and infinities are written as null: strict JSON). The
-paper's numbers, where a table has them, sit in a column whose name says so and cite their source
-in ``notes``.
+Cells are strings, numbers or null (NaN and infinities are written as null: strict JSON). Every
+results table shows the paper's number, ours, and what differs and why: a column whose name starts
+with "paper" (the published numbers, null where the paper gives none), one whose name starts with
+"ours", and ``notes`` citing the paper's source and the deviations. The docs generator
+(``scripts/make_docs_pages.py``) refuses a table without them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,8 @@ class Table:
                               f"got {self.kind!r}")
         if not self.columns or not all(isinstance(c, str) for c in self.columns):
             raise TablesError(f"{where}: columns must be a non-empty list of strings")
+        if not isinstance(self.notes, str):
+            raise TablesError(f"{where}: notes must be a string, got {self.notes!r}")
         width = len(self.columns)
         self.rows = [list(row) for row in self.rows]
         for r, row in enumerate(self.rows):
@@ -99,14 +103,9 @@ class Table:
 
     def markdown(self) -> str:
         """The table as Markdown: a heading with id, title and kind, the grid, the notes."""
-        lines = [f"### {self.id}: {self.title} ({self.kind})", "",
-                 "| " + " | ".join(self.columns) + " |",
-                 "|" + "---|" * len(self.columns)]
-        lines += ["| " + " | ".join(format_cell(c).replace("|", "\\|") for c in row) + " |"
-                  for row in self.rows]
-        if self.notes:
-            lines += ["", self.notes]
-        return "\n".join(lines)
+        grid = markdown_grid(self.columns, ([format_cell(c) for c in row] for row in self.rows))
+        text = f"### {self.id}: {self.title} ({self.kind})\n\n{grid}"
+        return f"{text}\n\n{self.notes}" if self.notes else text
 
     @classmethod
     def from_json(cls, data: Any, where: str = "table") -> Table:
@@ -146,6 +145,22 @@ def format_cell(value: Cell) -> str:
     if magnitude >= 1:
         return f"{value:.2f}"
     return f"{value:.3g}"
+
+
+def markdown_grid(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A Markdown table of text cells, each escaped (``|`` and line breaks) to stay in its cell.
+
+    Args:
+        columns: The header.
+        rows: One sequence of texts per row.
+
+    Returns:
+        The header line, the separator line and one line per row.
+    """
+    def line(cells: Iterable[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+
+    return "\n".join([line(columns), "|" + "---|" * len(columns), *map(line, rows)])
 
 
 def write_tables(path: Path, paper: str, tables: Sequence[Table]) -> Path:

@@ -1,15 +1,14 @@
 """Synthetic reproductions for the docs tests: results files written by ``RunRecorder``, a tables
-file and a README with a deviations section, so the tests never depend on committed results."""
+file written by ``write_tables`` and a README with a deviations section, so the tests never depend
+on committed results."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-from typing import Any
 
 from reproductions.common.results import RunRecorder
-from scripts.make_docs_pages import TABLES_SCHEMA
+from reproductions.common.tables import Table, write_tables
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,24 +21,24 @@ LEDGER = {"factor_comm": {"collectives": 2, "elements": 2**20, "bytes": 4 * 2**2
                         "traffic_bytes": 3 * 2**20}}
 MEMORY = {"optimizer_state": 48 * 2**20, "factors": 32 * 2**20}
 DEVIATION = "The data set is Fashion-MNIST, not ImageNet."
-TABLE_DEVIATION = "Ours runs on 4 simulated ranks."
+TABLE_NOTES = "Ours runs on 4 simulated ranks; the paper's numbers are from its Table 1."
+TABLES_FILE = "tables.json"
 
 
-def tables_data(paper: str) -> dict[str, Any]:
-    """A tables file with one table: a published number, an unpublished one, a missing run."""
-    return {"schema": TABLES_SCHEMA, "paper": paper, "tables": [{
-        "id": "T1", "title": "Iterations and memory", "source": "the paper's Table 1",
-        "deviations": [TABLE_DEVIATION],
-        "rows": [
-            {"what": "iterations at B = 131,072", "paper": 978, "ours": 978, "kind": "exact",
-             "note": "same formula"},
-            {"what": "optimizer memory", "unit": "GB", "paper": 23.34, "ours": 0.0469,
-             "kind": "small", "note": "a small model on a CPU"},
-            {"what": "top-1 accuracy", "unit": "%", "paper": None, "ours": 88.25,
-             "kind": "small", "note": "Fashion-MNIST | one seed"},
-            {"what": "time to 75%", "paper": "3.1 h", "ours": None, "kind": "needs data",
-             "note": "needs ImageNet"},
-        ]}]}
+def paper_tables() -> list[Table]:
+    """Three tables, one per kind of ours: exact numbers, a small run whose number the paper does
+    not publish (a null paper cell), and a run that needs data (a null ours cell)."""
+    return [
+        Table("T1", "Iterations and memory", "exact", ["quantity", "paper", "ours"],
+              [["iterations at B = 131,072", 978, 978], ["optimizer memory (GB)", 23.34, 0.0469]],
+              TABLE_NOTES),
+        Table("T2", "Accuracy", "small", ["metric", "paper", "ours", "what differs"],
+              [["top-1 accuracy (%)", None, 88.5, "Fashion-MNIST | one seed"]],
+              "The paper gives no accuracy for this setting."),
+        Table("T3", "Time to accuracy", "needs data", ["metric", "Paper (published)", "ours"],
+              [["time to 75%", "3.1 h", None]],
+              "Needs ImageNet; not run yet.\nThe paper's time is on 1,024 GPUs."),
+    ]
 
 
 def write_reproduction(root: Path, paper: str) -> Path:
@@ -66,7 +65,7 @@ def write_reproduction(root: Path, paper: str) -> Path:
                         summary={"final_loss": 0.5 - 0.1 * index, "time_to_target_s": 1.5})
         recorder.finish()
         recorder.write(results / f"default-{optimizer}-0.json")
-    (results / "tables.json").write_text(json.dumps(tables_data(paper)), encoding="utf-8")
+    write_tables(results / TABLES_FILE, paper, paper_tables())
     (directory / "README.md").write_text(
         f"# {paper}\n\n## Claim\n\nx\n\n## Deviations\n\n- {DEVIATION}\n\n### Detail\n\nmore\n\n"
         "## Commands\n\n`python -m x`\n", encoding="utf-8")

@@ -80,8 +80,10 @@ def test_reproduction_page_renders_its_tables_and_images(site: Path, paper: str)
         page = f"{base}/reproductions/{paper}/"
         dom = render(page, screenshot)
         article = dom.split("<article", 1)[1].split("</article>", 1)[0]
-        assert article.count("<table") >= 4  # kinds legend, a rebuilt table, runs, summary
-        assert "paper (published)" in article and "not published" in article
+        # the kinds legend, three rebuilt tables, the runs and the summary
+        assert article.count("<table") >= 6
+        assert "T1: Iterations and memory (exact)" in article
+        assert "<th>paper</th>" in article and "<td>—</td>" in article  # unpublished, not run
         images = re.findall(r'<img[^>]+src="([^"]+)"', article)
         assert len(images) == 5, images
         for src in images:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from reproductions.common.tables import KINDS, TablesError, write_tables
 from scripts.make_docs_pages import (
+    KIND_MEANINGS,
     NO_RESULTS,
     PAPERS,
     PagesError,
@@ -21,8 +23,9 @@ from tests.docs.helpers import (
     DEVIATION,
     OPTIMIZERS,
     REPO_ROOT,
-    TABLE_DEVIATION,
-    tables_data,
+    TABLE_NOTES,
+    TABLES_FILE,
+    paper_tables,
     write_reproduction,
 )
 
@@ -36,16 +39,22 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "docs" / "reproductions"
 
 
-def test_tables_show_the_papers_number_ours_its_kind_and_the_reason(generated: Path) -> None:
+def test_tables_show_the_papers_number_ours_their_kind_and_notes(generated: Path) -> None:
     page = (generated / "mkor.md").read_text()
-    assert "| what | paper (published) | ours | kind of ours | what differs and why |" in page
-    assert "| iterations at B = 131,072 | 978 | 978 | exact | same formula |" in page
-    assert "| optimizer memory | 23.34 GB | 0.0469 GB | small | a small model on a CPU |" in page
-    # A number the paper does not give is never filled in; a pipe in a note is escaped.
-    assert "| top-1 accuracy | not published | 88.25 % | small | Fashion-MNIST \\| one seed |" \
-        in page
-    assert "| time to 75% | 3.1 h | not run yet | needs data | needs ImageNet |" in page
-    assert "Paper's numbers from the paper's Table 1." in page
+    for table in paper_tables():  # as Table.markdown() renders it: heading, grid, notes
+        assert f"\n{table.markdown()}\n" in page
+    assert "### T1: Iterations and memory (exact)\n\n| quantity | paper | ours |" in page
+    assert "| iterations at B = 131,072 | 978 | 978 |" in page
+    assert "| optimizer memory (GB) | 23.3 | 0.0469 |" in page
+    # A number the paper does not give is never filled in; a pipe in a cell is escaped.
+    assert "| top-1 accuracy (%) | — | 88.5 | Fashion-MNIST \\| one seed |" in page
+    assert "### T3: Time to accuracy (needs data)" in page and "| time to 75% | 3.1 h | — |" in page
+    for kind, meaning in KIND_MEANINGS.items():  # the legend of the kinds in the headings
+        assert f"| {kind} | {meaning} |" in page
+
+
+def test_every_kind_has_a_meaning() -> None:
+    assert tuple(KIND_MEANINGS) == KINDS
 
 
 def test_runs_figures_and_configurations(generated: Path) -> None:
@@ -69,7 +78,10 @@ def test_deviations_come_from_the_readme_and_the_tables(generated: Path) -> None
     assert DEVIATION in deviations
     assert "\n### Detail\n" in deviations  # the README's subsection, nested under the page's
     assert "python -m x" not in deviations  # the README's next section is left out
-    assert f"### Noted with the tables\n\n- **T1**: {TABLE_DEVIATION}" in deviations
+    assert f"### Noted with the tables\n\n- **T1**: {TABLE_NOTES}\n" in deviations
+    # A note's second line stays in its list item.
+    assert "- **T3**: Needs ImageNet; not run yet.\n    The paper's time is on 1,024 GPUs." \
+        in deviations
 
 
 def test_a_reproduction_without_results_says_so_and_shows_no_numbers(generated: Path) -> None:
@@ -81,7 +93,7 @@ def test_a_reproduction_without_results_says_so_and_shows_no_numbers(generated: 
 
 def test_the_index_lists_what_each_reproduction_has(generated: Path) -> None:
     index = (generated / "index.md").read_text()
-    assert "[MKOR](mkor.md)" in index and "2 runs (default), 1 tables" in index
+    assert "[MKOR](mkor.md)" in index and "2 runs (default), 3 tables" in index
     assert "0 runs (none), 0 tables" in index
 
 
@@ -93,20 +105,27 @@ def test_stale_figures_are_removed(tmp_path: Path) -> None:
     assert not (img / "osawa2018-gone-loss.png").exists()
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    (lambda row: row.pop("kind"), "rows[0]: field 'kind'"),
-    (lambda row: row.pop("ours"), "rows[0]: field 'ours' is missing"),
-    (lambda row: row.update(kind="guessed"), "field 'kind' must be one of"),
+@pytest.mark.parametrize(("change", "error", "field"), [
+    (lambda table: table.pop("kind"), TablesError, "field 'kind' must be a str"),
+    (lambda table: table.update(kind="guessed"), TablesError, "kind must be one of"),
+    (lambda table: table.update(columns=["quantity", "paper", "measured"]), PagesError,
+     "field 'columns' has no column named 'ours...'"),
+    (lambda table: table.update(columns=["quantity", "published", "ours"]), PagesError,
+     "field 'columns' has no column named 'paper...'"),
+    (lambda table: table.update(notes=" "), PagesError, "field 'notes' is empty"),
+    (lambda table: table.pop("notes"), PagesError, "field 'notes' is empty"),
 ])
-def test_a_bad_tables_file_names_the_file_and_field(tmp_path: Path, change, field: str) -> None:
-    data = tables_data("mkor")
-    change(data["tables"][0]["rows"][0])
-    path = tmp_path / "reproductions" / "mkor" / "results" / "tables.json"
-    path.parent.mkdir(parents=True)
+def test_a_bad_tables_file_names_the_file_table_and_field(tmp_path: Path, change,
+                                                          error: type[Exception],
+                                                          field: str) -> None:
+    path = write_tables(tmp_path / "results" / TABLES_FILE, "mkor", paper_tables())
+    data = json.loads(path.read_text())
+    change(data["tables"][0])
     path.write_text(json.dumps(data))
-    with pytest.raises(PagesError, match=re.escape(field)) as error:
-        read_paper(tmp_path / "reproductions" / "mkor")
-    assert str(path) in str(error.value)
+    with pytest.raises(error, match=re.escape(field)) as raised:
+        read_paper(tmp_path)
+    assert str(path) in str(raised.value)
+    assert "'T1'" in str(raised.value) or "tables[0]" in str(raised.value)
 
 
 def test_a_truncated_json_file_fails_naming_it(tmp_path: Path) -> None:

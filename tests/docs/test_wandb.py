@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import wandb_workspaces.reports.v2 as wr
 
+from reproductions.common.tables import Table
 from reproductions.common.tracking import read_offline_history
 from scripts.make_docs_pages import PAPERS, read_paper
 from scripts.wandb_dashboards import (
@@ -17,9 +18,10 @@ from scripts.wandb_dashboards import (
     log_tables,
     main,
     project_name,
+    row_slugs,
     table_figures,
 )
-from tests.docs.helpers import tables_data, write_reproduction
+from tests.docs.helpers import paper_tables, write_reproduction
 
 MKOR = next(p for p in PAPERS if p.slug == "mkor")
 EXPERIMENTS = {"default": ["eval/accuracy", "loss", "time/factors", "time/inversion"],
@@ -35,9 +37,17 @@ def tables(tmp_path_factory: pytest.TempPathFactory) -> list:
 def test_table_figures_carry_every_number_under_one_key_scheme(tables: list) -> None:
     assert table_figures(tables) == {
         "T1/iterations_at_b_131_072/paper": 978.0, "T1/iterations_at_b_131_072/ours": 978.0,
-        "T1/optimizer_memory/paper": 23.34, "T1/optimizer_memory/ours": 0.0469,
-        "T1/top_1_accuracy/ours": 88.25,  # the paper gives none; "3.1 h" is not a number
+        "T1/optimizer_memory_gb/paper": 23.34, "T1/optimizer_memory_gb/ours": 0.0469,
+        "T2/top_1_accuracy/ours": 88.5,  # the paper gives none; T3's "3.1 h" is not a number
     }
+
+
+def test_repeated_or_empty_row_labels_get_keys_of_their_own() -> None:
+    table = Table("D1", "t", "exact", ["model", "paper", "ours"],
+                  [["ResNet-50", 1, 2], ["ResNet-50", 3, 4], [None, 5, 6], ["ResNet-50", 7, 8]],
+                  "n")
+    assert row_slugs(table) == ["resnet_50", "resnet_50_2", "row_3", "resnet_50_3"]
+    assert len(table_figures([table])) == 8
 
 
 def test_the_tables_run_logged_offline_reads_back(tmp_path: Path, tables: list,
@@ -46,23 +56,25 @@ def test_the_tables_run_logged_offline_reads_back(tmp_path: Path, tables: list,
     run = log_tables(MKOR, tables, tmp_path, mode="offline")
     assert (run.project, run.group, run.name) == (project_name("mkor"), "tables", "tables")
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    (logged,) = read_offline_history(run_dir)  # one step: its values are the run's summary
+    (logged,) = read_offline_history(run_dir, wait_s=30)  # one step: the run's summary
     assert logged["_step"] == 0
     for key, value in table_figures(tables).items():
         assert logged[key] == pytest.approx(value)
     # The wandb.Table: its reference in the history (nested keys joined by "."), its rows on disk.
     assert logged["T1/table._type"] == "table-file"
     table = json.loads((run_dir / "files" / logged["T1/table.path"]).read_text())
-    rows = tables_data("mkor")["tables"][0]["rows"]
-    assert [row[0] for row in table["data"]] == [row["what"] for row in rows]
-    assert table["data"][2][1:4] == ["—", "88.25 %", "small"]
+    assert table["columns"] == ["quantity", "paper", "ours"]
+    assert table["data"] == [["iterations at B = 131,072", "978", "978"],
+                             ["optimizer memory (GB)", "23.3", "0.0469"]]
+    table = json.loads((run_dir / "files" / logged["T2/table.path"]).read_text())
+    assert table["data"] == [["top-1 accuracy (%)", "—", "88.5", "Fashion-MNIST | one seed"]]
 
 
 def test_the_report_has_the_tables_and_a_panel_grid_per_experiment(tables: list) -> None:
     report = build_report(MKOR, "someone", tables, EXPERIMENTS)
     assert (report.entity, report.project) == ("someone", "kfac-repro-mkor")
     markdown = [b.text for b in report.blocks if isinstance(b, wr.MarkdownBlock)]
-    assert any("| iterations at B = 131,072 | 978 | 978 | exact |" in text for text in markdown)
+    assert markdown[1:] == [table.markdown() for table in paper_tables()]  # after the citation
     grids = [b for b in report.blocks if isinstance(b, wr.PanelGrid)]
     assert len(grids) == len(EXPERIMENTS)
     for grid, (experiment, metrics) in zip(grids, EXPERIMENTS.items(), strict=True):

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from reproductions.common.tables import SCHEMA, Table, TablesError, load_tables, write_tables
+from reproductions.common.tables import (
+    SCHEMA,
+    Table,
+    TablesError,
+    load_tables,
+    markdown_grid,
+    write_tables,
+)
 
 
 def table() -> Table:
@@ -37,10 +44,16 @@ def test_markdown() -> None:
     assert text.endswith("from the ledger")
 
 
+def test_markdown_grid_keeps_every_text_in_its_cell() -> None:
+    assert markdown_grid(["a|b", "c"], [["x\ny", "z"]]).splitlines() == [
+        "| a\\|b | c |", "|---|---|", "| x y | z |"]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"kind": "guessed"}, "kind must be one of"),
     ({"rows": [["a"]]}, "rows\\[0\\] has 1 cells for 3 columns"),
     ({"rows": [["a", True, 1]]}, "must be a string, a number or null"),
+    ({"notes": ["a list"]}, "notes must be a string"),
 ])
 def test_invalid_tables(change: dict, message: str) -> None:
     fields = {"id": "D1", "title": "t", "kind": "exact", "columns": ["a", "b", "c"],
