@@ -118,22 +118,37 @@ def eigen_decompose(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]
     return q, d
 
 
+def symmetrise_(m: Tensor) -> Tensor:
+    """``m ← (m + mᵀ) / 2`` in place, through a contiguous transpose (a strided element-wise
+    transpose of a large matrix is many times slower)."""
+    return m.add_(m.T.contiguous()).mul_(0.5)
+
+
 def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype) -> Tensor:
-    """``(F + shift·I)⁻¹`` by ``torch.linalg.inv`` (``"inverse"``) or Cholesky (``"cholesky"``)."""
+    """``(F + shift·I)⁻¹``, exactly symmetric.
+
+    Both methods factor the damped matrix by Cholesky and form the inverse from it (half the
+    FLOPs of an LU inverse). ``"cholesky"`` fails when the matrix is not positive definite;
+    ``"inverse"`` then falls back to ``torch.linalg.inv`` (LU), so it inverts whatever
+    ``torch.linalg.inv`` inverts.
+    """
     if not torch.isfinite(factor).all():
         raise DecompositionError(f"{method} failed: the factor has non-finite entries")
 
     def invert(m: Tensor) -> tuple[Tensor]:
-        damped = m + shift * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+        damped = m.clone()
+        damped.diagonal().add_(shift)
+        chol, info = torch.linalg.cholesky_ex(damped)
+        if int(info) == 0:
+            inv = torch.cholesky_inverse(chol)
+            # On the CPU, LAPACK's potri computes one triangle and torch mirrors it.
+            return (inv if inv.device.type == "cpu" else symmetrise_(inv),)
         if method == "cholesky":
-            chol, info = torch.linalg.cholesky_ex(damped)
-            if int(info) != 0:
-                raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
-            return (torch.cholesky_inverse(chol),)
-        return (torch.linalg.inv(damped),)
+            raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
+        return (symmetrise_(torch.linalg.inv(damped)),)
 
     (inv,) = _with_fp64_retry(method, invert, factor, dtype)
-    return (inv + inv.T) / 2
+    return inv
 
 
 def pi_split(a: Tensor, g: Tensor) -> float:
@@ -181,6 +196,19 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
     return state.g_inv @ grad @ state.a_inv
 
 
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one pass each, one sync).
+
+    A sum is non-finite exactly when an entry is, or when the sum overflows, which finite
+    gradients of magnitude far below the dtype's range cannot do (half-precision tensors are
+    summed in fp32).
+    """
+    if not tensors:
+        return True
+    sums = [t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
+    return bool(torch.stack(sums).isfinite().all())
+
+
 def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
     """``ν = min(1, sqrt(κ / |Σ (P ⊙ ∇W̄) · lr²|))``; 1 when the sum is zero."""
     vg = abs(products * lr * lr)
@@ -200,7 +228,8 @@ def kl_clip_factor(grads: dict[str, Tensor | None], preconditioned: dict[str, Te
     replicas drift apart in the last bits.
     """
     products = torch.stack([
-        (preconditioned[name] * grad.to(preconditioned[name].dtype)).sum()  # type: ignore[union-attr]
+        torch.dot(preconditioned[name].reshape(-1),
+                  grad.to(preconditioned[name].dtype).reshape(-1))  # type: ignore[union-attr]
         for name, grad in grads.items() if name in preconditioned
     ]).sum()
     return kl_clip_scale(float(products), lr, kl_clip)

@@ -24,7 +24,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import kl_clip_factor
+from core.inverse import all_finite, kl_clip_factor
 from core.kfac_layer import KFACLayer
 from core.layers import helper_for
 from core.strategy import Strategy
@@ -193,8 +193,7 @@ class KFACPreconditioner:
         """
         step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
         grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
-        present = [g for g in grads.values() if g is not None]
-        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
+        if not all_finite([g for g in grads.values() if g is not None]):
             # An AMP overflow (or a diverged step): keep the factors clean and the grads raw.
             self.skipped_overflow_steps += 1
             for layer in self.layers:
@@ -260,7 +259,7 @@ class KFACPreconditioner:
         for layer in self.layers:
             p = preconditioned.get(layer.name)
             if p is not None:
-                layer.helper.set_grad(p * scale if scale != 1.0 else p)
+                layer.helper.set_grad(p.mul_(scale) if scale != 1.0 else p)
 
     def _end_step(self) -> None:
         self.steps += 1
