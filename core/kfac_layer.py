@@ -21,7 +21,7 @@ from core.inverse import (
     make_state,
     precondition,
 )
-from core.layers import LayerHelper
+from core.layers import LayerHelper, Rows
 
 
 class KFACLayer:
@@ -72,15 +72,23 @@ class KFACLayer:
         """Where the layer's weight, and so its second-order state, lives."""
         return self.helper.weight.device
 
-    # Capture callbacks -----------------------------------------------------------------------
-    def capture_input(self, x: Tensor) -> None:
-        """Accumulate the batch ``A`` factor of one forward call."""
-        self.a.accumulate(a_factor(self.helper.a_rows(x), self.scaling, self.factor_dtype))
+    # Capture callbacks: rows (the ``capture`` stage), then their batch factor (``factors``) ----
+    def input_rows(self, x: Tensor) -> Rows:
+        """Factor rows ``ā`` of one forward call's input, in the factor dtype."""
+        return self.helper.a_rows(x, self.factor_dtype)
 
-    def capture_grad_output(self, gy: Tensor) -> None:
+    def accumulate_input(self, rows: Rows) -> None:
+        """Accumulate the batch ``A`` factor of one forward call."""
+        self.a.accumulate(a_factor(rows, self.scaling, self.factor_dtype))
+
+    def grad_rows(self, gy: Tensor) -> Rows:
+        """Factor rows of one backward call's output gradient."""
+        return self.helper.g_rows(gy)
+
+    def accumulate_grad(self, rows: Rows) -> None:
         """Accumulate the batch ``G`` factor of one backward call."""
-        gy = gy.to(self.factor_dtype) * self.grad_multiplier()
-        self.g.accumulate(g_factor(self.helper.g_rows(gy), self.scaling, self.factor_dtype))
+        self.g.accumulate(g_factor(rows, self.scaling, self.factor_dtype,
+                                   multiplier=self.grad_multiplier()))
 
     # Factor stage ----------------------------------------------------------------------------
     def stage_batch_factors(self) -> None:
@@ -100,7 +108,9 @@ class KFACLayer:
         self.batch_a = self.batch_g = None
         if batch_a is None or batch_g is None:
             return
-        if not (torch.isfinite(batch_a).all() and torch.isfinite(batch_g).all()):
+        # A batch factor is a sum of Gram matrices, so |F_ij| <= sqrt(F_ii F_jj): it is finite
+        # exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too).
+        if not all(bool(torch.isfinite(f.diagonal()).all()) for f in (batch_a, batch_g)):
             self.nonfinite_factor_skips += 1
             warnings.warn(f"{self.name}: non-finite factor batch skipped "
                           f"({self.nonfinite_factor_skips} so far)", stacklevel=2)

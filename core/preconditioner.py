@@ -144,18 +144,26 @@ class KFACPreconditioner:
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: KFACLayer) -> CaptureHooks:
         captures = self.strategy.captures(layer)
+        timer = self.timer
 
-        def timed(fn):  # type: ignore[no-untyped-def]
-            def run(t: Tensor) -> None:
-                with self.timer.stage("factors"):
-                    fn(t)
-            return run
+        def on_input(x: Tensor) -> None:
+            with timer.stage("capture"):
+                rows = layer.input_rows(x)
+            with timer.stage("factors"):
+                layer.accumulate_input(rows)
+
+        def on_grad_output(gy: Tensor) -> None:
+            with timer.stage("capture"):
+                rows = layer.grad_rows(gy)
+            with timer.stage("factors"):
+                layer.accumulate_grad(rows)
 
         return CaptureHooks(
             layer.helper.module,
-            on_input=timed(layer.capture_input),
-            on_grad_output=timed(layer.capture_grad_output),
-            enabled=lambda: self._capturing and captures and "factors" not in self.disabled_stages,
+            on_input=on_input,
+            on_grad_output=on_grad_output,
+            enabled=lambda: (self._capturing and captures
+                             and not self.disabled_stages & {"capture", "factors"}),
         )
 
     def _grad_multiplier(self) -> float:

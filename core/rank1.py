@@ -252,11 +252,11 @@ class Rank1Preconditioner:
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: Rank1Layer) -> CaptureHooks:
         def on_input(x: Tensor) -> None:
-            with self.timer.stage("factors"):
+            with self.timer.stage("capture"):
                 layer.capture_input(x)
 
         def on_grad_output(gy: Tensor) -> None:
-            with self.timer.stage("factors"):
+            with self.timer.stage("capture"):
                 layer.capture_grad_output(gy)
 
         return CaptureHooks(layer.helper.module, on_input=on_input,
