@@ -32,6 +32,7 @@ Where this differs from the released code (``Mohammad-Mozaffari/mkor``), on purp
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,11 @@ UPDATE_RULES = ("exact", "paper", "official")
 INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+def max_abs(matrix: Tensor) -> Tensor:
+    """``max |m_ij|`` (NaN if an entry is NaN) in one pass, without a temporary."""
+    return torch.linalg.vector_norm(matrix, ord=math.inf)
+
+
 def stabilise(inverse: Tensor, epsilon: float, zeta: float) -> tuple[Tensor, bool]:
     """The norm-based stabiliser: ``ζ L⁻¹ + (1 − ζ) I`` when ``max |L⁻¹| > ε``.
 
@@ -61,17 +67,24 @@ def stabilise(inverse: Tensor, epsilon: float, zeta: float) -> tuple[Tensor, boo
     the inverse factor bounded (paper Eq. 3.9). Returns the (possibly) blended inverse and
     whether the stabiliser fired.
     """
-    if not bool(inverse.abs().max() > epsilon):
+    if not bool(max_abs(inverse) > epsilon):
         return inverse, False
-    eye = torch.eye(inverse.shape[0], dtype=inverse.dtype, device=inverse.device)
-    return zeta * inverse + (1.0 - zeta) * eye, True
+    return _blend_identity(inverse, zeta), True
+
+
+def _blend_identity(matrix: Tensor, weight: float) -> Tensor:
+    """``weight · M + (1 − weight) I`` as a new matrix."""
+    out = matrix * weight
+    out.diagonal().add_(1.0 - weight)
+    return out
 
 
 def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str) -> Tensor:
-    """One rank-1 update of an inverse factor ``L⁻¹`` with the statistic ``v``.
+    """One rank-1 update of a symmetric inverse factor ``L⁻¹`` with the statistic ``v``.
 
     Args:
-        inverse: ``L_{t−1}⁻¹`` (after the stabiliser).
+        inverse: ``L_{t−1}⁻¹`` (after the stabiliser), symmetric (inverse factors start at
+            ``I`` and every rule and the stabiliser keep them exactly symmetric).
         v: ``ḡ`` (or ``ā`` for the right factor).
         gamma: ``γ``, the weight of the old factor in ``L_t = γ L_{t−1} + (1 − γ) v vᵀ``.
         rule: ``"exact"``: the Sherman–Morrison inverse of that recursion,
@@ -82,21 +95,22 @@ def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str) -> Tenso
             ``M − (M v vᵀ M) / (1 + vᵀ M v)``.
 
     Returns:
-        ``L_t⁻¹`` (not symmetrised).
+        ``L_t⁻¹``, exactly symmetric: with ``u = L⁻¹v`` (``= vᵀL⁻¹`` by symmetry) each rule is
+        one ``addr`` of the scaled outer product ``u uᵀ``, a single pass over the matrix.
     """
     if rule == "official":
-        eye = torch.eye(inverse.shape[0], dtype=inverse.dtype, device=inverse.device)
-        inverse = gamma * inverse + (1.0 - gamma) * eye
-        u, w = inverse @ v, v @ inverse
-        return inverse - torch.outer(u, w) / (1.0 + v @ u)
-    u, w = inverse @ v, v @ inverse
+        blended = _blend_identity(inverse, gamma)
+        u = blended @ v
+        return blended.addr_(u * (-1.0 / (1.0 + v @ u)), u)
+    u = inverse @ v
     quad = v @ u
     if rule == "exact":
         ratio = (1.0 - gamma) / gamma
-        return inverse / gamma - (ratio / gamma) * torch.outer(u, w) / (1.0 + ratio * quad)
+        return torch.addr(inverse, u * (-(ratio / gamma) / (1.0 + ratio * quad)), u,
+                          beta=1.0 / gamma)
     if rule == "paper":
         coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
-        return gamma * inverse + coeff * torch.outer(u, w)
+        return torch.addr(inverse, u * coeff, u, beta=gamma)
     raise ValueError(f"unknown update rule {rule!r}")
 
 
@@ -188,9 +202,8 @@ class MKORLayer(Rank1Layer):
         def updated(side: str, inverse: Tensor, v: Tensor) -> Tensor:
             current, fired = stabilise(inverse.to(self.dtype), epsilon, zeta)
             self.stabilisations += int(fired)
-            new = update_inverse(current, v, gamma, rule)
-            new = ((new + new.T) / 2).to(self.storage_dtype)
-            if bool(torch.isfinite(new).all()):
+            new = update_inverse(current, v, gamma, rule).to(self.storage_dtype)
+            if bool(max_abs(new).isfinite()):
                 return new
             self.update_failures += 1
             warnings.warn(f"{self.name}: {side}⁻¹ update is not finite in {self.storage_dtype}; "
