@@ -29,6 +29,21 @@ class DecompositionError(RuntimeError):
     """A factor could not be decomposed in the requested dtype nor in fp64."""
 
 
+def extremes(tensor: Tensor) -> Tensor:
+    """``[min, max]`` of ``tensor`` in one pass without a temporary; NaN if any entry is NaN."""
+    return torch.stack(torch.aminmax(tensor))
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite: one ``aminmax`` pass each, one sync.
+
+    (``isfinite(t).all()`` writes a boolean temporary as large as ``t`` and is many times
+    slower on large matrices.)
+    """
+    present = [t for t in tensors if t.numel()]
+    return not present or bool(torch.stack([extremes(t) for t in present]).isfinite().all())
+
+
 class _SidedState:
     """Tensors listed ``A`` side first, then ``G`` side, in equal numbers.
 
@@ -99,7 +114,7 @@ def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matr
         except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
             errors.append(f"{attempt}: {err}")
             continue
-        if all(torch.isfinite(t).all() for t in out):
+        if all_finite(out):
             return tuple(t.to(dtype) for t in out)
         errors.append(f"{attempt}: non-finite result")
     raise DecompositionError(f"{name} failed ({'; '.join(errors)})")
@@ -107,7 +122,7 @@ def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matr
 
 def eigen_decompose(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Eigenbasis and non-negative eigenvalues of a symmetric factor."""
-    if not torch.isfinite(factor).all():
+    if not all_finite([factor]):
         raise DecompositionError("eigh failed: the factor has non-finite entries")
 
     def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
@@ -132,7 +147,7 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
     ``"inverse"`` then falls back to ``torch.linalg.inv`` (LU), so it inverts whatever
     ``torch.linalg.inv`` inverts.
     """
-    if not torch.isfinite(factor).all():
+    if not all_finite([factor]):
         raise DecompositionError(f"{method} failed: the factor has non-finite entries")
 
     def invert(m: Tensor) -> tuple[Tensor]:
@@ -194,19 +209,6 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
         rotated /= torch.outer(state.dg, state.da).add_(damping)
         return state.qg @ rotated @ state.qa.T
     return state.g_inv @ grad @ state.a_inv
-
-
-def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (one pass each, one sync).
-
-    A sum is non-finite exactly when an entry is, or when the sum overflows, which finite
-    gradients of magnitude far below the dtype's range cannot do (half-precision tensors are
-    summed in fp32).
-    """
-    if not tensors:
-        return True
-    sums = [t.sum(dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
-    return bool(torch.stack(sums).isfinite().all())
 
 
 def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:

@@ -32,7 +32,6 @@ Where this differs from the released code (``Mohammad-Mozaffari/mkor``), on purp
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from core.config import (
     check_schedulable,
 )
 from core.hyper import Schedulable
+from core.inverse import extremes
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner, nbytes
 
@@ -56,8 +56,9 @@ INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def max_abs(matrix: Tensor) -> Tensor:
-    """``max |m_ij|`` (NaN if an entry is NaN) in one pass, without a temporary."""
-    return torch.linalg.vector_norm(matrix, ord=math.inf)
+    """``max |m_ij|`` (NaN if an entry is NaN) from one ``aminmax`` pass, without a temporary."""
+    low, high = extremes(matrix)
+    return torch.maximum(-low, high)
 
 
 def stabilise(inverse: Tensor, epsilon: float, zeta: float) -> tuple[Tensor, bool]:
