@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from core.inverse import symmetrise_
+from core.inverse import symmetrised
 from core.layers import Rows
 
 #: Column-block width of the symmetric product: blocks above the diagonal are computed and
@@ -44,7 +44,7 @@ def _gram(m: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
                 block = torch.empty(r1 - r0, c1 - c0, dtype=dtype, device=m.device)
                 torch.addmm(block, m[r0:r1], m[c0:c1].T, beta=0.0, alpha=scale, out=block)
                 if r0 == c0:
-                    out[r0:r1, r0:r1] = symmetrise_(block)
+                    out[r0:r1, r0:r1] = symmetrised(block)
                 else:
                     out[r0:r1, c0:c1] = block
                     out[c0:c1, r0:r1] = block.T.contiguous()

@@ -133,9 +133,11 @@ def eigen_decompose(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]
     return q, d
 
 
-def symmetrise_(m: Tensor) -> Tensor:
-    """``m ← (m + mᵀ) / 2`` in place, through a contiguous transpose (a strided element-wise
-    transpose of a large matrix is many times slower)."""
+def symmetrised(m: Tensor) -> Tensor:
+    """``(m + mᵀ) / 2``, in ``m``'s memory when it is row-major (LAPACK results are often
+    column-major; those are copied to row-major first). Both transposes are contiguous
+    copies: a strided element-wise transpose of a large matrix is many times slower."""
+    m = m.contiguous()
     return m.add_(m.T.contiguous()).mul_(0.5)
 
 
@@ -157,10 +159,10 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
         if int(info) == 0:
             inv = torch.cholesky_inverse(chol)
             # On the CPU, LAPACK's potri computes one triangle and torch mirrors it.
-            return (inv if inv.device.type == "cpu" else symmetrise_(inv),)
+            return (inv if inv.device.type == "cpu" else symmetrised(inv),)
         if method == "cholesky":
             raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
-        return (symmetrise_(torch.linalg.inv(damped)),)
+        return (symmetrised(torch.linalg.inv(damped)),)
 
     (inv,) = _with_fp64_retry(method, invert, factor, dtype)
     return inv

@@ -103,16 +103,18 @@ class Clock:
 
 
 class MemoryProbe:
-    """Peak memory of a block above what was live when it started.
+    """Peak memory of a run above what was live when it started.
 
     On a GPU: ``torch.cuda`` peak statistics. On the CPU: the process's resident-set high-water
-    mark (``VmHWM``), reset through ``/proc/self/clear_refs`` after returning freed heap to the
-    system (``malloc_trim``), so the peak counts what the block allocated, not earlier garbage.
+    mark (``VmHWM``), reset through ``/proc/self/clear_refs`` after returning freed heap memory
+    to the system (``malloc_trim``), so a peak counts what the run allocated, not earlier
+    garbage. :meth:`mark` restarts the high-water mark but keeps the baseline, so work between
+    the measured steps (the interleaved base steps) is left out.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._start = 0
+        self._baseline = 0
         try:
             self._trim: Callable[[int], int] | None = ctypes.CDLL("libc.so.6").malloc_trim
         except OSError:
@@ -126,26 +128,30 @@ class MemoryProbe:
                     return int(line.split()[1]) * 1024
         raise RuntimeError(f"/proc/self/status has no {key}")
 
-    def reset(self) -> None:
-        """Start a block: forget earlier peaks."""
-        gc.collect()
+    def mark(self) -> None:
+        """Forget earlier peaks."""
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            self._start = torch.cuda.memory_allocated()
             return
         if self._trim is not None:
             self._trim(0)
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
-        self._start = self._status("VmRSS")
+
+    def start(self) -> None:
+        """Start a run: what is live now is its baseline."""
+        gc.collect()
+        self.mark()
+        self._baseline = (torch.cuda.memory_allocated() if self.cuda
+                          else self._status("VmRSS"))
 
     def peak(self) -> int:
-        """Bytes above the start of the block at its peak."""
+        """Bytes above the baseline at the peak since the last :meth:`mark`."""
         if self.cuda:
             torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self._start
-        return self._status("VmHWM") - self._start
+            return torch.cuda.max_memory_allocated() - self._baseline
+        return self._status("VmHWM") - self._baseline
 
 
 # Kernel throughput of this machine ------------------------------------------------------------
@@ -388,11 +394,13 @@ class LayerShape:
 
 @dataclass
 class MethodRun:
-    """Raw measurements of one method (or the base) on one workload.
+    """Raw measurements of one method (or the base alone) on one workload.
 
     Attributes:
         kinds: ``"update"`` or ``"plain"`` per timed step.
         seconds: Step time per timed step.
+        base_seconds: Time of the base step run just before each timed step (the ratio of the
+            two is insensitive to load that drifts slower than a step).
         stages: The preconditioner's stage times per timed step (empty for the base).
         peak_bytes: Peak memory above the state before the first step.
         state_bytes: Factor and inverse bytes the method holds (its ``memory_usage``).
@@ -402,24 +410,122 @@ class MethodRun:
 
     kinds: list[str]
     seconds: list[float]
+    base_seconds: list[float]
     stages: list[dict[str, float]]
     peak_bytes: int
     state_bytes: int
     layers: list[LayerShape]
     failures: int
 
+    def _of(self, kind: str, values: Sequence[float]) -> float:
+        return statistics.median(v for k, v in zip(self.kinds, values, strict=True) if k == kind)
+
     def median(self, kind: str) -> float:
-        return statistics.median(s for k, s in zip(self.kinds, self.seconds, strict=True)
-                                 if k == kind)
+        """Median step seconds of ``kind`` steps."""
+        return self._of(kind, self.seconds)
+
+    def ratio(self, kind: str) -> float:
+        """Median over ``kind`` steps of the step time over the adjacent base step time."""
+        return self._of(kind, [s / b for s, b in zip(self.seconds, self.base_seconds,
+                                                      strict=True)])
 
     def stage_median(self, kind: str, column: str) -> float:
-        def value(stages: dict[str, float]) -> float:
-            if column == "comm":
-                return sum(stages.get(s, 0.0) for s in COMM_STAGES)
-            return stages.get(column, 0.0)
+        """Median seconds of a :data:`COLUMNS` stage over ``kind`` steps."""
+        return self._of(kind, [sum(s.get(x, 0.0) for x in COMM_STAGES) if column == "comm"
+                               else s.get(column, 0.0) for s in self.stages])
 
-        return statistics.median(value(s) for k, s in zip(self.kinds, self.stages, strict=True)
-                                 if k == kind)
+
+class Trainer:
+    """A model, its optimizer (built by ``core.optim.build_optimizer``) and a fixed batch.
+
+    Args:
+        workload: What to train.
+        method: The second-order method, or None for the base optimizer alone.
+        updates: Steps on which the method updates its factors and inverses.
+        device: Where to train.
+        autocast: Context for the forward and the loss.
+    """
+
+    def __init__(self, workload: Workload, method: Method | None, updates: frozenset[int],
+                 device: torch.device, autocast: Callable[[], AbstractContextManager[Any]]
+                 ) -> None:
+        torch.manual_seed(0)
+        self.workload, self.autocast = workload, autocast
+        self.model = workload.build().to(device)
+        self.batch = workload.batch(device)
+        options: dict[str, Any] = {}
+        if method is not None:
+            options = {"base": workload.base, "skip_layers": workload.skip_layers,
+                       **method.options}
+            options.update({key: update_schedule(updates) for key in method.schedule})
+        self.optimizer = build_optimizer(method.optimizer if method else workload.base,
+                                         self.model, lr=workload.lr, **options)
+        self.average_positions = options.get("factor_scaling") == "dpkfac"
+
+    def step(self) -> None:
+        """One training step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = self.workload.loss(self.model, self.batch)
+        loss.backward()
+        self.optimizer.step()
+
+
+def step_kinds(rounds: int) -> list[str]:
+    """Warm-up update and plain step, then ``rounds`` of one update and two plain steps."""
+    return ["update", "plain"] + ["update", "plain", "plain"] * rounds
+
+
+WARM_STEPS = 2
+
+
+def run_base(workload: Workload, device: torch.device, memory: MemoryProbe,
+             autocast: Callable[[], AbstractContextManager[Any]]) -> tuple[Trainer, int]:
+    """A base trainer after its first steps, and its peak memory over them.
+
+    A throw-away trainer runs first, so imports and kernel caches are not counted.
+    """
+    warm = Trainer(workload, None, frozenset(), device, autocast)
+    for _ in range(WARM_STEPS):
+        warm.step()
+    del warm
+    trainer = Trainer(workload, None, frozenset(), device, autocast)
+    memory.start()
+    for _ in range(WARM_STEPS):
+        trainer.step()
+    return trainer, memory.peak()
+
+
+def run_method(workload: Workload, method: Method, base: Trainer, device: torch.device,
+               clock: Clock, memory: MemoryProbe,
+               autocast: Callable[[], AbstractContextManager[Any]]) -> MethodRun:
+    """Train ``workload`` with ``method``, each step right after a step of ``base``."""
+    kinds = step_kinds(workload.rounds)
+    updates = frozenset(i for i, kind in enumerate(kinds) if kind == "update")
+    trainer = Trainer(workload, method, updates, device, autocast)
+    precond = trainer.optimizer.preconditioner
+    rows, handles = record_shapes(trainer.model, [layer.name for layer in precond.layers],
+                                  trainer.average_positions)
+    memory.start()
+    seconds, base_seconds, stages, peak = [], [], [], 0
+    for _ in kinds:
+        base_seconds.append(clock.time(base.step))
+        memory.mark()
+        seconds.append(clock.time(trainer.step))
+        peak = max(peak, memory.peak())
+        stages.append(dict(precond.timer.last))
+        for handle in handles:  # the first step recorded the rows
+            handle.remove()
+    usage = precond.memory_usage()
+    metrics = precond.metrics()
+    return MethodRun(
+        kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
+        stages[WARM_STEPS:], peak,
+        state_bytes=sum(v for k, v in usage.items() if k in ("factors", "inverses", "vectors")),
+        layers=[LayerShape(layer.a_dim, layer.g_dim, rows[layer.name])
+                for layer in precond.layers],
+        failures=int(metrics.get("decomposition_failures", 0)
+                     + metrics.get("update_failures", 0)))
 
 
 def record_shapes(model: nn.Module, names: Sequence[str], average_positions: bool
@@ -440,55 +546,6 @@ def record_shapes(model: nn.Module, names: Sequence[str], average_positions: boo
 
     handles = [modules[name].register_forward_hook(hook(name)) for name in names]
     return rows, handles
-
-
-def run_method(workload: Workload, method: Method | None, device: torch.device, clock: Clock,
-               memory: MemoryProbe, autocast: Callable[[], AbstractContextManager[Any]]
-               ) -> MethodRun:
-    """Train ``workload`` with ``method`` (the base optimizer alone for None) and time it."""
-    kinds = ["update", "plain"] + ["update", "plain", "plain"] * workload.rounds
-    updates = frozenset(i for i, kind in enumerate(kinds) if kind == "update")
-    torch.manual_seed(0)
-    model = workload.build().to(device)
-    batch = workload.batch(device)
-    options: dict[str, Any] = {}
-    if method is not None:
-        options = {"base": workload.base, "skip_layers": workload.skip_layers, **method.options}
-        options.update({key: update_schedule(updates) for key in method.schedule})
-    optimizer = build_optimizer(method.optimizer if method else workload.base, model,
-                                lr=workload.lr, **options)
-    precond = optimizer.preconditioner
-    names = [layer.name for layer in precond.layers] if precond is not None else []
-    rows, handles = record_shapes(model, names, options.get("factor_scaling") == "dpkfac")
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        with autocast():
-            loss = workload.loss(model, batch)
-        loss.backward()
-        optimizer.step()
-
-    memory.reset()
-    seconds, stages = [], []
-    for i in range(len(kinds)):
-        seconds.append(clock.time(step))
-        if i == 0:
-            for handle in handles:
-                handle.remove()
-        if precond is not None:
-            stages.append(dict(precond.timer.last))
-    peak = memory.peak()
-    state, failures, layers = 0, 0, []
-    if precond is not None:
-        usage = precond.memory_usage()
-        state = sum(v for k, v in usage.items() if k in ("factors", "inverses", "vectors"))
-        metrics = precond.metrics()
-        failures = int(metrics.get("decomposition_failures", 0)
-                       + metrics.get("update_failures", 0))
-        layers = [LayerShape(layer.a_dim, layer.g_dim, rows[layer.name])
-                  for layer in precond.layers]
-    warm = 2
-    return MethodRun(kinds[warm:], seconds[warm:], stages[warm:], peak, state, layers, failures)
 
 
 # Lower bounds --------------------------------------------------------------------------------
@@ -556,12 +613,20 @@ class Row:
     failures: int
 
 
-def summarise(workload: str, base: MethodRun, method: Method, run: MethodRun, rates: Rates,
+def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rates: Rates,
               intervals: Sequence[int]) -> list[Row]:
-    """Amortized rows of one method for every interval."""
-    base_step = base.median("plain")
+    """Amortized rows of one method for every interval.
+
+    Args:
+        workload: Its name.
+        base_peak: Peak bytes of the base run.
+        method: The method.
+        run: Its measurements.
+        rates: This machine's kernel rates, for the bounds.
+        intervals: Update intervals to amortize over.
+    """
     bounds = stage_bounds(method, run.layers, rates)
-    over = (run.peak_bytes - base.peak_bytes) / MB
+    over = (run.peak_bytes - base_peak) / MB
     state = run.state_bytes / MB
     factor_flops = sum(x.rows * (x.a_dim**2 + x.g_dim**2) for x in run.layers)
     factor_s = run.stage_median("update", "factors")
@@ -571,13 +636,14 @@ def summarise(workload: str, base: MethodRun, method: Method, run: MethodRun, ra
     dense = method.kind == "kfac"
     rows = []
     for n in intervals:
-        step = amortize(run.median("update"), run.median("plain"), n)
         stages = {c: amortize(run.stage_median("update", c), run.stage_median("plain", c), n)
                   for c in COLUMNS}
         bound = {s: amortize(bounds["update"][s], bounds["plain"][s], n) for s in WORK}
         work = sum(stages[s] for s in WORK)
         rows.append(Row(
-            workload, method.name, n, step, step / base_step, stages, bound,
+            workload, method.name, n,
+            amortize(run.median("update"), run.median("plain"), n),
+            amortize(run.ratio("update"), run.ratio("plain"), n), stages, bound,
             work / max(sum(bound.values()), 1e-12), over, state,
             over / state if state else math.nan,
             factor_flops / factor_s / rates.peak_gemm if dense and factor_s > 0 else None,
@@ -772,24 +838,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     load = {"start": os.getloadavg()}
     started = time.perf_counter()
     sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)
-    rates = measure_rates(sizes, device, clock, repeats=3,
-                          copy_elements=2**20 if args.quick else 2**26)
     rows: list[Row] = []
     base_steps: dict[str, float] = {}
     raw: dict[str, dict[str, Any]] = {}
+    all_rates: dict[str, Rates] = {}
     for name in names:
         workload = WORKLOADS[name]
         if args.rounds is not None:
             workload = Workload(**{**workload.__dict__, "rounds": args.rounds})
-        warm = Workload(**{**workload.__dict__, "rounds": 0})
-        run_method(warm, None, device, clock, memory, autocast)  # imports, kernel JIT caches
-        base = run_method(workload, None, device, clock, memory, autocast)
-        base_steps[name] = base.median("plain")
-        raw[name] = {"base": asdict(base), "load": os.getloadavg()}
+        rates = all_rates[name] = measure_rates(
+            sizes, device, clock, repeats=3, copy_elements=2**20 if args.quick else 2**26)
+        base, base_peak = run_base(workload, device, memory, autocast)
+        raw[name] = {"base_peak_bytes": base_peak, "load_before": os.getloadavg()}
+        timings = []
         for method in methods:
-            run = run_method(workload, method, device, clock, memory, autocast)
+            run = run_method(workload, method, base, device, clock, memory, autocast)
             raw[name][method.name] = asdict(run)
-            rows += summarise(name, base, method, run, rates, args.intervals)
+            timings += run.base_seconds
+            base_steps[name] = statistics.median(timings)
+            rows += summarise(name, base_peak, method, run, rates, args.intervals)
+        del base
+        raw[name]["load_after"] = os.getloadavg()
         print(f"[{name} done at {time.perf_counter() - started:.0f} s, load "
               f"{os.getloadavg()[0]:.2f}]", file=sys.stderr, flush=True)
     load["end"] = os.getloadavg()
@@ -799,14 +868,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "environment": "\n".join(f"- {k}: {v}" for k, v in env.items())
         + f"\n- load average (1, 5, 15 min): start {load['start']}, end {load['end']}"
         + f"\n- wall time: {time.perf_counter() - started:.0f} s",
-        "rates": rates_table(rates),
+        "rates": "\n\n".join(f"{name}:\n\n{rates_table(r)}" for name, r in all_rates.items()),
         "results": results_table(rows, base_steps),
         "bounds": bound_table(rows),
         "targets": targets_table(goals),
     }
     for title, table in tables.items():
         print(f"\n### {title}\n\n{table}")
-    out = {"environment": env, "load": load, "rates": asdict(rates), "workloads":
+    out = {"environment": env, "load": load,
+           "rates": {name: asdict(r) for name, r in all_rates.items()}, "workloads":
            {n: WORKLOADS[n].description for n in names}, "peers": asdict(peers),
            "rows": [asdict(r) for r in rows], "targets": goals, "raw": raw, "tables": tables}
     if args.json is not None:
