@@ -144,24 +144,10 @@ class KFACPreconditioner:
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: KFACLayer) -> CaptureHooks:
         captures = self.strategy.captures(layer)
-        timer = self.timer
-
-        def on_input(x: Tensor) -> None:
-            with timer.stage("capture"):
-                rows = layer.input_rows(x)
-            with timer.stage("factors"):
-                layer.accumulate_input(rows)
-
-        def on_grad_output(gy: Tensor) -> None:
-            with timer.stage("capture"):
-                rows = layer.grad_rows(gy)
-            with timer.stage("factors"):
-                layer.accumulate_grad(rows)
-
         return CaptureHooks(
             layer.helper.module,
-            on_input=on_input,
-            on_grad_output=on_grad_output,
+            on_input=layer.capture_input,
+            on_grad_output=layer.capture_grad_output,
             enabled=lambda: (self._capturing and captures
                              and not self.disabled_stages & {"capture", "factors"}),
         )
@@ -210,16 +196,21 @@ class KFACPreconditioner:
             return
 
         if self._capturing:
-            with timer.stage("factors"):
+            decay = self._hyper("factor_decay", 0.0)
+            if strategy.communicates_factors:
                 for layer in self.layers:
-                    layer.stage_batch_factors()
-            if self._enabled("factor_comm"):
-                with timer.stage("factor_comm"):
-                    strategy.reduce_factors(self.layers)
-            with timer.stage("factors"):
-                decay = self._hyper("factor_decay", 0.0)
+                    layer.stage_batch_factors(timer)
+                if self._enabled("factor_comm"):
+                    with timer.stage("factor_comm"):
+                        strategy.reduce_factors(self.layers)
+                with timer.stage("factors"):
+                    for layer in self.layers:
+                        layer.update_running_factors(decay)
+            else:  # one layer at a time, so one batch factor is alive at once
                 for layer in self.layers:
-                    layer.update_running_factors(decay)
+                    layer.stage_batch_factors(timer)
+                    with timer.stage("factors"):
+                        layer.update_running_factors(decay)
 
         damping = self._hyper("damping", 0.0)
         if update_due("inv_update_steps", cfg.inv_update_steps, step):
