@@ -147,22 +147,36 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
     Both methods factor the damped matrix by Cholesky and form the inverse from it (half the
     FLOPs of an LU inverse). ``"cholesky"`` fails when the matrix is not positive definite;
     ``"inverse"`` then falls back to ``torch.linalg.inv`` (LU), so it inverts whatever
-    ``torch.linalg.inv`` inverts.
+    ``torch.linalg.inv`` inverts. On the CPU the factorisation and the inverse overwrite one
+    copy of the factor (LAPACK works in place on the column-major view of the symmetric
+    matrix), so a decomposition needs one matrix of scratch memory, not three.
     """
     if not all_finite([factor]):
         raise DecompositionError(f"{method} failed: the factor has non-finite entries")
 
+    def damped(m: Tensor) -> Tensor:
+        out = m.clone(memory_format=torch.contiguous_format)
+        out.diagonal().add_(shift)
+        return out
+
     def invert(m: Tensor) -> tuple[Tensor]:
-        damped = m.clone()
-        damped.diagonal().add_(shift)
-        chol, info = torch.linalg.cholesky_ex(damped)
-        if int(info) == 0:
-            inv = torch.cholesky_inverse(chol)
-            # On the CPU, LAPACK's potri computes one triangle and torch mirrors it.
-            return (inv if inv.device.type == "cpu" else symmetrised(inv),)
+        matrix = damped(m)
+        if matrix.device.type == "cpu":
+            # Symmetric, so the column-major view is the same matrix; potrf and potri then
+            # run in its memory and torch fills both triangles.
+            column_major = matrix.T
+            info = torch.empty((), dtype=torch.int32)
+            torch.linalg.cholesky_ex(column_major, out=(column_major, info))
+            if int(info) == 0:
+                torch.cholesky_inverse(column_major, out=column_major)
+                return (matrix,)
+        else:
+            chol, info = torch.linalg.cholesky_ex(matrix)
+            if int(info) == 0:
+                return (symmetrised(torch.cholesky_inverse(chol)),)
         if method == "cholesky":
             raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
-        return (symmetrised(torch.linalg.inv(damped)),)
+        return (symmetrised(torch.linalg.inv(damped(m))),)
 
     (inv,) = _with_fp64_retry(method, invert, factor, dtype)
     return inv
