@@ -402,7 +402,8 @@ class MethodRun:
         base_seconds: Time of the base step run just before each timed step (the ratio of the
             two is insensitive to load that drifts slower than a step).
         stages: The preconditioner's stage times per timed step (empty for the base).
-        peak_bytes: Peak memory above the state before the first step.
+        peak_bytes: Peak memory above the state before the first step, plus the state the
+            method allocated when it was built.
         state_bytes: Factor and inverse bytes the method holds (its ``memory_usage``).
         layers: Shapes of the preconditioned layers.
         failures: Decomposition or update failures counted by the method.
@@ -496,6 +497,12 @@ def run_base(workload: Workload, device: torch.device, memory: MemoryProbe,
     return trainer, memory.peak()
 
 
+def state_bytes(precond: Any) -> int:
+    """Bytes of the method's curvature state: factors, inverses or eigenbases, vectors."""
+    usage = precond.memory_usage()
+    return sum(v for k, v in usage.items() if k in ("factors", "inverses", "vectors"))
+
+
 def run_method(workload: Workload, method: Method, base: Trainer, device: torch.device,
                clock: Clock, memory: MemoryProbe,
                autocast: Callable[[], AbstractContextManager[Any]]) -> MethodRun:
@@ -506,6 +513,7 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     precond = trainer.optimizer.preconditioner
     rows, handles = record_shapes(trainer.model, [layer.name for layer in precond.layers],
                                   trainer.average_positions)
+    built = state_bytes(precond)  # allocated with the method (MKOR's identity inverses)
     memory.start()
     seconds, base_seconds, stages, peak = [], [], [], 0
     for _ in kinds:
@@ -516,12 +524,10 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
         stages.append(dict(precond.timer.last))
         for handle in handles:  # the first step recorded the rows
             handle.remove()
-    usage = precond.memory_usage()
     metrics = precond.metrics()
     return MethodRun(
         kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
-        stages[WARM_STEPS:], peak,
-        state_bytes=sum(v for k, v in usage.items() if k in ("factors", "inverses", "vectors")),
+        stages[WARM_STEPS:], built + peak, state_bytes=state_bytes(precond),
         layers=[LayerShape(layer.a_dim, layer.g_dim, rows[layer.name])
                 for layer in precond.layers],
         failures=int(metrics.get("decomposition_failures", 0)
