@@ -334,7 +334,7 @@ WORKLOADS: dict[str, Workload] = {
     "bert-small": Workload(
         "bert-small", "BERT pre-training, 4 layers, hidden 256, sequence 128, batch 8, LAMB",
         bert(4, 256, 4, 30522), masked_tokens(8, 128, 30522), pretraining_loss, "lamb", 1e-3,
-        BERT_SKIP),
+        BERT_SKIP, rounds=5),
     "resnet18-224": Workload(
         "resnet18-224", "ResNet-18 (ImageNet), 224x224 inputs, batch 16, SGD",
         imagenet_resnet18, images(16, 224, 1000), classification_loss, "sgd", 0.01, rounds=1),
