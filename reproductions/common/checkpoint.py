@@ -19,7 +19,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 _NAME = re.compile(r"^checkpoint-(\d{9,})\.pt$")
-_PLAIN = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device, torch.Size)
+_SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
 
 
 class CheckpointError(RuntimeError):
@@ -52,6 +52,9 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def check_weights_only(value: Any, where: str = "state") -> None:
     """Raise TypeError unless ``value`` can be loaded by ``torch.load(weights_only=True)``.
 
+    Types are checked exactly: subclasses of ``str`` or ``float`` (``torch.__version__``, numpy
+    scalars) and of containers (named tuples) are refused by the loader, so they are here too.
+
     Args:
         value: The object to check, recursively.
         where: How to name ``value`` in the error, e.g. ``"state"``.
@@ -59,17 +62,17 @@ def check_weights_only(value: Any, where: str = "state") -> None:
     Raises:
         TypeError: naming the first entry (``state['optimizer']['x']``) of another type.
     """
-    if isinstance(value, Mapping):
+    kind = type(value)
+    if kind in (dict, OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, str | int | float | bool | tuple) and key is not None:
-                raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
+            check_weights_only(key, f"{where} key {key!r}")
             check_weights_only(item, f"{where}[{key!r}]")
-    elif isinstance(value, list | tuple):
+    elif kind in (list, tuple):
         for index, item in enumerate(value):
             check_weights_only(item, f"{where}[{index}]")
-    elif not isinstance(value, _PLAIN):
-        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, "
-                        "which torch.load(weights_only=True) refuses; store tensors, numbers, "
+    elif not (kind in _SCALARS or isinstance(value, torch.Tensor)):
+        raise TypeError(f"{where} is a {kind.__module__}.{kind.__qualname__}, which "
+                        "torch.load(weights_only=True) refuses; store tensors, numbers, "
                         "strings, lists, tuples and dicts only")
 
 
@@ -83,6 +86,13 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _reason(exc: Exception) -> str:
+    """The informative line of a load error (torch's weights_only errors bury it mid-text)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = [line for line in lines if line.startswith("WeightsUnpickler error:")]
+    return (detail or lines or [""])[0]
 
 
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
@@ -167,8 +177,7 @@ def load_newest_checkpoint(directory: Path, map_location: str | torch.device = "
             if not isinstance(state, dict):
                 raise TypeError(f"holds a {type(state).__name__}, not a dict")
         except Exception as exc:  # noqa: BLE001 - any failure means "this file is unusable"
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            reason = f"{type(exc).__name__}: {first_line}"
+            reason = f"{type(exc).__name__}: {_reason(exc)}"
             failures.append(f"{path} ({reason})")
             warnings.warn(f"checkpoint {path} cannot be loaded ({reason}); trying the previous "
                           "one", RuntimeWarning, stacklevel=2)

@@ -17,7 +17,8 @@ import random
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,21 @@ def init_distributed(device: str = "auto") -> DistContext:
                                     store=dist.PrefixStore(f"attempt-{restarts}", store))
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen,
                        is_main=rank == 0, restarts=restarts)
+
+
+@contextmanager
+def main_process_first(ctx: DistContext) -> Iterator[None]:
+    """Run the enclosed block on rank 0 first, then on the other ranks.
+
+    For building caches (tokenised data sets, vocabularies): rank 0 writes them while the others
+    wait at a barrier, then the others find them ready instead of racing to write them too.
+    """
+    distributed = ctx.world_size > 1 and dist.is_initialized()
+    if distributed and not ctx.is_main:
+        dist.barrier()
+    yield
+    if distributed and ctx.is_main:
+        dist.barrier()
 
 
 def seed_everything(seed: int) -> None:

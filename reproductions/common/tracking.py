@@ -120,7 +120,8 @@ class Tracker:
         self.run: Any = wandb.init(
             project=self.project, group=self.group, name=self.name, job_type=optimizer,
             config=scrub_secrets(dict(config)), mode=self.mode, dir=str(directory), id=run_id,
-            resume="allow" if run_id else None, settings=wandb.Settings(console="off"),
+            resume="allow" if run_id else None,
+            settings=wandb.Settings(console="off", quiet=True),
         )
         self.id: str = self.run.id
 

@@ -54,6 +54,8 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monke
 def test_loads_with_weights_only(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"state\['bad'\].*weights_only"):
         save_checkpoint(tmp_path, 1, {"bad": object()})
+    with pytest.raises(TypeError, match="TorchVersion"):  # a str subclass the loader refuses
+        save_checkpoint(tmp_path, 1, {"meta": {"torch": torch.__version__}})
     # A file holding an arbitrary object (not written by save_checkpoint) is refused on load.
     torch.save({"bad": Path("x")}, checkpoint_path(tmp_path, 5))
     with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError, match="000000005.pt"):
