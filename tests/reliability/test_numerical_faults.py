@@ -149,7 +149,8 @@ def test_nan_activation_mid_network_skips_the_update_and_training_continues() ->
     factors = statistics(trainer.kfac) + [b.fisher.value.clone() for b in trainer.bn.blocks]
     remembered = trainer.mixup.previous
     poison["on"] = True
-    with pytest.warns(RuntimeWarning, match="step 3: non-finite gradients, update skipped"):
+    with pytest.warns(RuntimeWarning, match="step 3: non-finite gradients, update skipped"), \
+            pytest.warns(UserWarning, match="non-finite Fisher batch skipped"):
         losses.append(trainer.train_step(batches[2])["loss"])
     poison["on"] = False
     assert losses[2] != losses[2], "the poisoned step's loss is NaN"
