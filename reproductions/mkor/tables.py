@@ -32,7 +32,7 @@ from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import load_results
 from reproductions.common.tables import Table, write_tables
 from reproductions.mkor.config import MODEL_PRESETS, load_config
-from reproductions.mkor.measure import linear_layer, measure_costs, update_times
+from reproductions.mkor.measure import METHODS, linear_layer, measure_costs, update_times
 from reproductions.mkor.model import build_model, pretraining_loss
 from reproductions.mkor.report import BASELINE, compare, speedups
 
@@ -92,7 +92,7 @@ def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> T
         times.append({m: update_times(m, *linear_layer(d), options[m])
                       for m in ("kfac", "mkor", "eva")})
     rows: list[list[Any]] = []
-    for method in ("mkor", "kfac", "eva", "lamb"):
+    for method in METHODS:
         memory = [c[method].state_bytes for c in costs]
         comm = [c[method].comm_bytes or None for c in costs]
         update = [t[method]["update"] * 1e3 if method in t else None for t in times]
