@@ -50,7 +50,7 @@ def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float) -> Tens
         damping: ``λ`` > 0.
     """
     coeff = (g @ grad @ a) / (damping + (a @ a) * (g @ g))
-    return (grad - coeff * torch.outer(g, a)) / damping
+    return torch.addr(grad, g * (-coeff / damping), a, beta=1.0 / damping)
 
 
 @dataclass(kw_only=True)

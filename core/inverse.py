@@ -29,6 +29,21 @@ class DecompositionError(RuntimeError):
     """A factor could not be decomposed in the requested dtype nor in fp64."""
 
 
+def extremes(tensor: Tensor) -> Tensor:
+    """``[min, max]`` of ``tensor`` in one pass without a temporary; NaN if any entry is NaN."""
+    return torch.stack(torch.aminmax(tensor))
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every entry of every tensor is finite: one ``aminmax`` pass each, one sync.
+
+    (``isfinite(t).all()`` writes a boolean temporary as large as ``t`` and is many times
+    slower on large matrices.)
+    """
+    present = [t for t in tensors if t.numel()]
+    return not present or bool(torch.stack([extremes(t) for t in present]).isfinite().all())
+
+
 class _SidedState:
     """Tensors listed ``A`` side first, then ``G`` side, in equal numbers.
 
@@ -99,7 +114,7 @@ def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matr
         except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
             errors.append(f"{attempt}: {err}")
             continue
-        if all(torch.isfinite(t).all() for t in out):
+        if all_finite(out):
             return tuple(t.to(dtype) for t in out)
         errors.append(f"{attempt}: non-finite result")
     raise DecompositionError(f"{name} failed ({'; '.join(errors)})")
@@ -107,7 +122,7 @@ def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matr
 
 def eigen_decompose(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Eigenbasis and non-negative eigenvalues of a symmetric factor."""
-    if not torch.isfinite(factor).all():
+    if not all_finite([factor]):
         raise DecompositionError("eigh failed: the factor has non-finite entries")
 
     def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
@@ -118,22 +133,53 @@ def eigen_decompose(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]
     return q, d
 
 
+def symmetrised(m: Tensor) -> Tensor:
+    """``(m + mᵀ) / 2``, in ``m``'s memory when it is row-major (LAPACK results are often
+    column-major; those are copied to row-major first). Both transposes are contiguous
+    copies: a strided element-wise transpose of a large matrix is many times slower."""
+    m = m.contiguous()
+    return m.add_(m.T.contiguous()).mul_(0.5)
+
+
 def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype) -> Tensor:
-    """``(F + shift·I)⁻¹`` by ``torch.linalg.inv`` (``"inverse"``) or Cholesky (``"cholesky"``)."""
-    if not torch.isfinite(factor).all():
+    """``(F + shift·I)⁻¹``, exactly symmetric.
+
+    Both methods factor the damped matrix by Cholesky and form the inverse from it (half the
+    FLOPs of an LU inverse). ``"cholesky"`` fails when the matrix is not positive definite;
+    ``"inverse"`` then falls back to ``torch.linalg.inv`` (LU), so it inverts whatever
+    ``torch.linalg.inv`` inverts. On the CPU the factorisation and the inverse overwrite one
+    copy of the factor (LAPACK works in place on the column-major view of the symmetric
+    matrix), so a decomposition needs one matrix of scratch memory, not three.
+    """
+    if not all_finite([factor]):
         raise DecompositionError(f"{method} failed: the factor has non-finite entries")
 
+    def damped(m: Tensor) -> Tensor:
+        out = m.clone(memory_format=torch.contiguous_format)
+        out.diagonal().add_(shift)
+        return out
+
     def invert(m: Tensor) -> tuple[Tensor]:
-        damped = m + shift * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+        matrix = damped(m)
+        if matrix.device.type == "cpu":
+            # Symmetric, so the column-major view is the same matrix; potrf and potri then
+            # run in its memory and torch fills both triangles.
+            column_major = matrix.T
+            info = torch.empty((), dtype=torch.int32)
+            torch.linalg.cholesky_ex(column_major, out=(column_major, info))
+            if int(info) == 0:
+                torch.cholesky_inverse(column_major, out=column_major)
+                return (matrix,)
+        else:
+            chol, info = torch.linalg.cholesky_ex(matrix)
+            if int(info) == 0:
+                return (symmetrised(torch.cholesky_inverse(chol)),)
         if method == "cholesky":
-            chol, info = torch.linalg.cholesky_ex(damped)
-            if int(info) != 0:
-                raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
-            return (torch.cholesky_inverse(chol),)
-        return (torch.linalg.inv(damped),)
+            raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
+        return (symmetrised(torch.linalg.inv(damped(m))),)
 
     (inv,) = _with_fp64_retry(method, invert, factor, dtype)
-    return (inv + inv.T) / 2
+    return inv
 
 
 def pi_split(a: Tensor, g: Tensor) -> float:
@@ -200,7 +246,8 @@ def kl_clip_factor(grads: dict[str, Tensor | None], preconditioned: dict[str, Te
     replicas drift apart in the last bits.
     """
     products = torch.stack([
-        (preconditioned[name] * grad.to(preconditioned[name].dtype)).sum()  # type: ignore[union-attr]
+        torch.dot(preconditioned[name].reshape(-1),
+                  grad.to(preconditioned[name].dtype).reshape(-1))  # type: ignore[union-attr]
         for name, grad in grads.items() if name in preconditioned
     ]).sum()
     return kl_clip_scale(float(products), lr, kl_clip)

@@ -7,7 +7,8 @@ methods run on which rank and moves its tensors between ranks.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -22,6 +23,12 @@ from core.inverse import (
     precondition,
 )
 from core.layers import LayerHelper
+from core.timing import StageTimer
+
+
+@contextmanager
+def _untimed(stage: str) -> Iterator[None]:
+    yield
 
 
 class KFACLayer:
@@ -52,6 +59,8 @@ class KFACLayer:
         self.grad_multiplier = grad_multiplier
         self.a = RunningFactor()
         self.g = RunningFactor()
+        self.captured_inputs: list[Tensor] = []
+        self.captured_grads: list[tuple[Tensor, float]] = []
         self.batch_a: Tensor | None = None
         self.batch_g: Tensor | None = None
         self.state: SecondOrderState | None = None
@@ -72,24 +81,55 @@ class KFACLayer:
         """Where the layer's weight, and so its second-order state, lives."""
         return self.helper.weight.device
 
-    # Capture callbacks -----------------------------------------------------------------------
+    # Capture: the hooks keep the tensors; factors are built from them at the step -----------
     def capture_input(self, x: Tensor) -> None:
-        """Accumulate the batch ``A`` factor of one forward call."""
-        self.a.accumulate(a_factor(self.helper.a_rows(x), self.scaling, self.factor_dtype))
+        """Keep one forward call's input (a reference: autograd keeps it alive anyway).
+
+        A new micro-step (gradient accumulation) folds the previous one's tensors into the
+        pending batch factors first, so at most one micro-step's tensors are held.
+        """
+        if self.captured_grads:
+            self.fold_captures()
+        self.captured_inputs.append(x)
 
     def capture_grad_output(self, gy: Tensor) -> None:
-        """Accumulate the batch ``G`` factor of one backward call."""
-        gy = gy.to(self.factor_dtype) * self.grad_multiplier()
-        self.g.accumulate(g_factor(self.helper.g_rows(gy), self.scaling, self.factor_dtype))
+        """Keep one backward call's output gradient, with the multiplier in force now."""
+        self.captured_grads.append((gy, self.grad_multiplier()))
+
+    def fold_captures(self, timer: StageTimer | None = None) -> None:
+        """Turn the kept tensors into batch factors (added to the pending ones) and drop them.
+
+        Building factors after the backward pass, when autograd has freed the activations,
+        keeps them out of the memory peak; with ``timer``, row building is timed as
+        ``capture`` and the factor GEMMs as ``factors``.
+        """
+        stage = timer.stage if timer is not None else _untimed
+        for x in self.captured_inputs:
+            with stage("capture"):
+                rows = self.helper.a_rows(x, self.factor_dtype)
+            with stage("factors"):
+                self.a.accumulate(a_factor(rows, self.scaling, self.factor_dtype))
+            del rows
+        for gy, multiplier in self.captured_grads:
+            with stage("capture"):
+                rows = self.helper.g_rows(gy)
+            with stage("factors"):
+                self.g.accumulate(g_factor(rows, self.scaling, self.factor_dtype,
+                                           multiplier=multiplier))
+            del rows
+        self.captured_inputs, self.captured_grads = [], []
 
     # Factor stage ----------------------------------------------------------------------------
-    def stage_batch_factors(self) -> None:
-        """Move the captured micro-step factors into ``batch_a``/``batch_g`` for communication."""
+    def stage_batch_factors(self, timer: StageTimer | None = None) -> None:
+        """Fold the kept tensors, then move the pending batch factors into ``batch_a`` and
+        ``batch_g`` (for communication)."""
+        self.fold_captures(timer)
         self.batch_a = self.a.take_batch()
         self.batch_g = self.g.take_batch()
 
     def discard_batch_factors(self) -> None:
         """Forget everything captured for this step (e.g. an AMP overflow step)."""
+        self.captured_inputs, self.captured_grads = [], []
         self.a.discard_pending()
         self.g.discard_pending()
         self.batch_a = self.batch_g = None
@@ -100,7 +140,9 @@ class KFACLayer:
         self.batch_a = self.batch_g = None
         if batch_a is None or batch_g is None:
             return
-        if not (torch.isfinite(batch_a).all() and torch.isfinite(batch_g).all()):
+        # A batch factor is a sum of Gram matrices, so |F_ij| <= sqrt(F_ii F_jj): it is finite
+        # exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too).
+        if not all(bool(torch.isfinite(f.diagonal()).all()) for f in (batch_a, batch_g)):
             self.nonfinite_factor_skips += 1
             warnings.warn(f"{self.name}: non-finite factor batch skipped "
                           f"({self.nonfinite_factor_skips} so far)", stacklevel=2)
@@ -164,7 +206,8 @@ class KFACLayer:
 
     # Reporting -------------------------------------------------------------------------------
     def memory_usage(self) -> dict[str, int]:
-        """Bytes held: running factors, second-order state, and pending capture buffers."""
+        """Bytes held: running factors, second-order state, and pending capture buffers (with
+        the kept layer inputs and output gradients)."""
 
         def nbytes(*tensors: Tensor | None) -> int:
             return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -172,7 +215,8 @@ class KFACLayer:
         return {
             "factors": nbytes(self.a.value, self.g.value),
             "inverses": nbytes(*self.state.tensors()) if self.state else 0,
-            "buffers": nbytes(self.a.pending, self.g.pending, self.batch_a, self.batch_g),
+            "buffers": nbytes(self.a.pending, self.g.pending, self.batch_a, self.batch_g,
+                              *self.captured_inputs, *(g for g, _ in self.captured_grads)),
         }
 
     def state_dict(self) -> dict[str, object]:

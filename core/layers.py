@@ -71,8 +71,9 @@ class LayerHelper:
         """Dimension of ``A`` (input features or patch size, plus one for the bias)."""
         return self.weight[0].numel() + int(self.has_bias)
 
-    def a_rows(self, x: Tensor) -> Rows:
-        """Input rows ``ā`` (bias entry appended) of a captured layer input."""
+    def a_rows(self, x: Tensor, dtype: torch.dtype | None = None) -> Rows:
+        """Input rows ``ā`` (bias entry appended) of a captured layer input, in ``dtype``
+        (default: the input's)."""
         raise NotImplementedError
 
     def g_rows(self, gy: Tensor) -> Rows:
@@ -110,8 +111,8 @@ class LayerHelper:
 class LinearHelper(LayerHelper):
     """``nn.Linear`` with 2-D ``(B, D)`` or N-D ``(B, ..., D)`` inputs (positions flattened)."""
 
-    def a_rows(self, x: Tensor) -> Rows:
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
+    def a_rows(self, x: Tensor, dtype: torch.dtype | None = None) -> Rows:
+        x = x.reshape(x.shape[0], -1, x.shape[-1]).to(dtype or x.dtype)
         return Rows(self._append_bias(x), spatial=False)
 
     def g_rows(self, gy: Tensor) -> Rows:
@@ -154,15 +155,31 @@ class Conv2dHelper(LayerHelper):
             return (total[0] // 2, total[1] // 2)
         return padding  # type: ignore[return-value]
 
-    def a_rows(self, x: Tensor) -> Rows:
-        patches = F.unfold(
-            x,
-            kernel_size=self.conv.kernel_size,
-            dilation=self.conv.dilation,
-            padding=self._padding(),
-            stride=self.conv.stride,
-        )  # (B, c_in*k_h*k_w, L)
-        return Rows(self._append_bias(patches.transpose(1, 2)), spatial=True)
+    def a_rows(self, x: Tensor, dtype: torch.dtype | None = None) -> Rows:
+        """im2col rows, written once into a ``(c_in·k_h·k_w [+ 1], B, L)`` buffer.
+
+        One strided copy from the (padded) input, with no ``unfold`` output to transpose and no
+        concatenation for the bias entry: the rows are a permuted view of the buffer, which
+        :func:`core.factors.a_factor` multiplies without another copy. For a 1x1 stride-1
+        convolution the copy is the input itself, channel-major.
+        """
+        conv = self.conv
+        (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+        ph, pw = self._padding()
+        if ph or pw:
+            x = F.pad(x, (pw, pw, ph, ph))
+        b, c, h, w = x.shape
+        out_h, out_w = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+        sb, sc, sy, sx = x.stride()
+        patches = x.as_strided((c, kh, kw, b, out_h, out_w),
+                               (sc, dh * sy, dw * sx, sb, sh * sy, sw * sx), x.storage_offset())
+        dim = c * kh * kw
+        rows = torch.empty(dim + int(self.has_bias), b, out_h, out_w,
+                           dtype=dtype or x.dtype, device=x.device)
+        rows[:dim].view(c, kh, kw, b, out_h, out_w).copy_(patches)
+        if self.has_bias:
+            rows[dim].fill_(1.0)
+        return Rows(rows.view(-1, b, out_h * out_w).permute(1, 2, 0), spatial=True)
 
     def g_rows(self, gy: Tensor) -> Rows:
         return Rows(gy.flatten(2).transpose(1, 2), spatial=True)

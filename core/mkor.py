@@ -47,6 +47,7 @@ from core.config import (
     check_schedulable,
 )
 from core.hyper import Schedulable
+from core.inverse import extremes
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner, nbytes
 
@@ -54,50 +55,68 @@ UPDATE_RULES = ("exact", "paper", "official")
 INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def stabilise(inverse: Tensor, epsilon: float, zeta: float) -> tuple[Tensor, bool]:
-    """The norm-based stabiliser: ``ζ L⁻¹ + (1 − ζ) I`` when ``max |L⁻¹| > ε``.
+def max_abs(matrix: Tensor) -> Tensor:
+    """``max |m_ij|`` (NaN if an entry is NaN) from one ``aminmax`` pass, without a temporary."""
+    low, high = extremes(matrix)
+    return torch.maximum(-low, high)
 
-    Blending towards ``I`` mixes the second-order direction with the first-order one and keeps
-    the inverse factor bounded (paper Eq. 3.9). Returns the (possibly) blended inverse and
-    whether the stabiliser fired.
+
+def stabiliser_fires(inverse: Tensor, epsilon: float) -> bool:
+    """Whether the norm-based stabiliser acts on ``L⁻¹``: ``max |L⁻¹| > ε``.
+
+    It then blends ``L⁻¹`` towards ``I`` (``ζ L⁻¹ + (1 − ζ) I``, paper Eq. 3.9), mixing the
+    second-order direction with the first-order one and keeping the factor bounded; the blend
+    is folded into :func:`update_inverse` (``blend=ζ``).
     """
-    if not bool(inverse.abs().max() > epsilon):
-        return inverse, False
-    eye = torch.eye(inverse.shape[0], dtype=inverse.dtype, device=inverse.device)
-    return zeta * inverse + (1.0 - zeta) * eye, True
+    return bool(max_abs(inverse) > epsilon)
 
 
-def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str) -> Tensor:
-    """One rank-1 update of an inverse factor ``L⁻¹`` with the statistic ``v``.
+def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: float = 1.0
+                   ) -> Tensor:
+    """One rank-1 update of a symmetric inverse factor with the statistic ``v``.
+
+    The factor updated is ``M = blend·L⁻¹ + (1 − blend)·I``: ``L_{t−1}⁻¹`` itself for
+    ``blend=1``, the stabilised one for ``blend=ζ``.
 
     Args:
-        inverse: ``L_{t−1}⁻¹`` (after the stabiliser).
+        inverse: ``L_{t−1}⁻¹``, symmetric (inverse factors start at ``I`` and every rule keeps
+            them exactly symmetric).
         v: ``ḡ`` (or ``ā`` for the right factor).
         gamma: ``γ``, the weight of the old factor in ``L_t = γ L_{t−1} + (1 − γ) v vᵀ``.
         rule: ``"exact"``: the Sherman–Morrison inverse of that recursion,
-            ``(1/γ) L⁻¹ − ((1−γ)/γ²) (L⁻¹v vᵀL⁻¹) / (1 + ((1−γ)/γ) vᵀL⁻¹v)``.
+            ``(1/γ) M − ((1−γ)/γ²) (M v vᵀ M) / (1 + ((1−γ)/γ) vᵀ M v)``.
             ``"paper"``: the formula as printed in the paper (Eq. 5/6),
-            ``γ L⁻¹ + (1−γ) / (γ² (1 + γ(1−γ) vᵀL⁻¹v)) · L⁻¹v vᵀL⁻¹``; it is not the inverse of
-            the recursion. ``"official"``: the released code, ``M = γ L⁻¹ + (1−γ) I``,
-            ``M − (M v vᵀ M) / (1 + vᵀ M v)``.
+            ``γ M + (1−γ) / (γ² (1 + γ(1−γ) vᵀ M v)) · M v vᵀ M``; it is not the inverse of
+            the recursion. ``"official"``: the released code, ``M' = γ M + (1−γ) I``,
+            ``M' − (M' v vᵀ M') / (1 + vᵀ M' v)``.
+        blend: The stabiliser's weight ``ζ`` of ``L⁻¹``, or 1.
 
     Returns:
-        ``L_t⁻¹`` (not symmetrised).
+        ``L_t⁻¹``, exactly symmetric. Every rule is ``a·L⁻¹ + d·I + s·u uᵀ`` with ``u`` the
+        product of ``v`` with the blended factor (``= vᵀ M`` by symmetry): one ``addr`` pass
+        over the matrix and a diagonal update; the blend is never materialised.
     """
-    if rule == "official":
-        eye = torch.eye(inverse.shape[0], dtype=inverse.dtype, device=inverse.device)
-        inverse = gamma * inverse + (1.0 - gamma) * eye
-        u, w = inverse @ v, v @ inverse
-        return inverse - torch.outer(u, w) / (1.0 + v @ u)
-    u, w = inverse @ v, v @ inverse
-    quad = v @ u
-    if rule == "exact":
-        ratio = (1.0 - gamma) / gamma
-        return inverse / gamma - (ratio / gamma) * torch.outer(u, w) / (1.0 + ratio * quad)
-    if rule == "paper":
-        coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
-        return gamma * inverse + coeff * torch.outer(u, w)
-    raise ValueError(f"unknown update rule {rule!r}")
+    if rule not in UPDATE_RULES:
+        raise ValueError(f"unknown update rule {rule!r}")
+    lv = inverse @ v
+    if rule == "official":  # M' = γ M + (1 − γ) I
+        scale, shift = gamma * blend, gamma * (1.0 - blend) + 1.0 - gamma
+        u = lv * scale + v * shift
+        coeff = -1.0 / (1.0 + v @ u)
+    else:
+        u = lv * blend + v * (1.0 - blend)
+        quad = v @ u
+        if rule == "exact":
+            ratio = (1.0 - gamma) / gamma
+            scale, shift = blend / gamma, (1.0 - blend) / gamma
+            coeff = -(ratio / gamma) / (1.0 + ratio * quad)
+        else:  # paper
+            scale, shift = gamma * blend, gamma * (1.0 - blend)
+            coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
+    new = torch.addr(inverse, u * coeff, u, beta=scale)
+    if shift:
+        new.diagonal().add_(shift)
+    return new
 
 
 def rescale_to_gradient(p: Tensor, grad: Tensor) -> Tensor:
@@ -186,11 +205,12 @@ class MKORLayer(Rank1Layer):
         """
 
         def updated(side: str, inverse: Tensor, v: Tensor) -> Tensor:
-            current, fired = stabilise(inverse.to(self.dtype), epsilon, zeta)
+            current = inverse.to(self.dtype)
+            fired = stabiliser_fires(current, epsilon)
             self.stabilisations += int(fired)
-            new = update_inverse(current, v, gamma, rule)
-            new = ((new + new.T) / 2).to(self.storage_dtype)
-            if bool(torch.isfinite(new).all()):
+            new = update_inverse(current, v, gamma, rule, blend=zeta if fired else 1.0)
+            new = new.to(self.storage_dtype)
+            if bool(max_abs(new).isfinite()):
                 return new
             self.update_failures += 1
             warnings.warn(f"{self.name}: {side}⁻¹ update is not finite in {self.storage_dtype}; "

@@ -24,7 +24,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import kl_clip_factor
+from core.inverse import all_finite, kl_clip_factor
 from core.kfac_layer import KFACLayer
 from core.layers import helper_for
 from core.strategy import Strategy
@@ -144,18 +144,12 @@ class KFACPreconditioner:
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: KFACLayer) -> CaptureHooks:
         captures = self.strategy.captures(layer)
-
-        def timed(fn):  # type: ignore[no-untyped-def]
-            def run(t: Tensor) -> None:
-                with self.timer.stage("factors"):
-                    fn(t)
-            return run
-
         return CaptureHooks(
             layer.helper.module,
-            on_input=timed(layer.capture_input),
-            on_grad_output=timed(layer.capture_grad_output),
-            enabled=lambda: self._capturing and captures and "factors" not in self.disabled_stages,
+            on_input=layer.capture_input,
+            on_grad_output=layer.capture_grad_output,
+            enabled=lambda: (self._capturing and captures
+                             and not self.disabled_stages & {"capture", "factors"}),
         )
 
     def _grad_multiplier(self) -> float:
@@ -193,8 +187,7 @@ class KFACPreconditioner:
         """
         step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
         grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
-        present = [g for g in grads.values() if g is not None]
-        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
+        if not all_finite([g for g in grads.values() if g is not None]):
             # An AMP overflow (or a diverged step): keep the factors clean and the grads raw.
             self.skipped_overflow_steps += 1
             for layer in self.layers:
@@ -203,16 +196,21 @@ class KFACPreconditioner:
             return
 
         if self._capturing:
-            with timer.stage("factors"):
+            decay = self._hyper("factor_decay", 0.0)
+            if strategy.communicates_factors:
                 for layer in self.layers:
-                    layer.stage_batch_factors()
-            if self._enabled("factor_comm"):
-                with timer.stage("factor_comm"):
-                    strategy.reduce_factors(self.layers)
-            with timer.stage("factors"):
-                decay = self._hyper("factor_decay", 0.0)
+                    layer.stage_batch_factors(timer)
+                if self._enabled("factor_comm"):
+                    with timer.stage("factor_comm"):
+                        strategy.reduce_factors(self.layers)
+                with timer.stage("factors"):
+                    for layer in self.layers:
+                        layer.update_running_factors(decay)
+            else:  # one layer at a time, so one batch factor is alive at once
                 for layer in self.layers:
-                    layer.update_running_factors(decay)
+                    layer.stage_batch_factors(timer)
+                    with timer.stage("factors"):
+                        layer.update_running_factors(decay)
 
         damping = self._hyper("damping", 0.0)
         if update_due("inv_update_steps", cfg.inv_update_steps, step):
@@ -260,7 +258,7 @@ class KFACPreconditioner:
         for layer in self.layers:
             p = preconditioned.get(layer.name)
             if p is not None:
-                layer.helper.set_grad(p * scale if scale != 1.0 else p)
+                layer.helper.set_grad(p.mul_(scale) if scale != 1.0 else p)
 
     def _end_step(self) -> None:
         self.steps += 1

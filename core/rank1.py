@@ -36,6 +36,7 @@ from core.config import (
 from core.distributed.communicator import Communicator
 from core.factors import RunningFactor
 from core.hyper import value_at
+from core.inverse import all_finite
 from core.layers import LayerHelper, helper_for
 from core.preconditioner import discover_layers
 from core.timing import StageTimer
@@ -251,11 +252,11 @@ class Rank1Preconditioner:
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: Rank1Layer) -> CaptureHooks:
         def on_input(x: Tensor) -> None:
-            with self.timer.stage("factors"):
+            with self.timer.stage("capture"):
                 layer.capture_input(x)
 
         def on_grad_output(gy: Tensor) -> None:
-            with self.timer.stage("factors"):
+            with self.timer.stage("capture"):
                 layer.capture_grad_output(gy)
 
         return CaptureHooks(layer.helper.module, on_input=on_input,
@@ -287,8 +288,7 @@ class Rank1Preconditioner:
         """
         self.communicator.ledger.step = self.steps
         grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
-        present = [g for g in grads.values() if g is not None]
-        if present and not bool(torch.stack([g.isfinite().all() for g in present]).all()):
+        if not all_finite([g for g in grads.values() if g is not None]):
             self.skipped_overflow_steps += 1
             for layer in self.layers:
                 layer.discard_pending()

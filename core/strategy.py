@@ -36,6 +36,9 @@ class Strategy:
     """
 
     name = "local"
+    #: Whether :meth:`reduce_factors` moves batch factors between ranks (if not, the
+    #: preconditioner builds and blends them one layer at a time).
+    communicates_factors = False
 
     def __init__(self) -> None:
         self.rank = 0

@@ -46,6 +46,8 @@ class DistributedStrategy(Strategy):
         communicator: The communicator of this rank.
     """
 
+    communicates_factors = True
+
     def __init__(self, config: KFACConfig, communicator: Communicator) -> None:
         super().__init__()
         self.config = config
@@ -276,6 +278,8 @@ class KAISAStrategy(DistributedStrategy):
 class DPKFACStrategy(KAISAStrategy):
     """DP-KFAC: only the owner captures a layer and builds its factors from its local batch;
     no factor communication; the owner preconditions and broadcasts ``P``."""
+
+    communicates_factors = False
 
     def __init__(self, config: KFACConfig, communicator: Communicator) -> None:
         super().__init__(config, communicator, name="dp-kfac")

@@ -116,3 +116,19 @@ def test_factors_stay_fp32_under_bf16_autocast() -> None:
     exact = (rows.T @ rows / 16).float()
     # fp32 accuracy, far tighter than bf16's 3 significant digits
     torch.testing.assert_close(precond.layers[0].a.value, exact, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("block", [2, 3, 512])
+def test_blocked_symmetric_product_is_exact_and_symmetric(monkeypatch: pytest.MonkeyPatch,
+                                                          block: int) -> None:
+    monkeypatch.setattr("core.factors.GRAM_BLOCK", block)
+    torch.manual_seed(5)
+    conv = nn.Conv2d(2, 3, 3, padding=1).double()
+    x = torch.randn(2, 2, 5, 4, dtype=torch.float64)
+    a, g, gy = captured_factors(conv, x, "kfc")
+    patches = with_bias_column(conv_patches_naive(x, conv))
+    ref_a, ref_g = reference_factors(patches, gy.flatten(2).transpose(1, 2), spatial=True,
+                                     scaling="kfc")
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(g, ref_g)
+    assert torch.equal(a, a.T) and torch.equal(g, g.T)

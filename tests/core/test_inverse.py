@@ -131,6 +131,29 @@ def test_cholesky_of_indefinite_factor_raises_decomposition_error() -> None:
         damped_inverse(torch.full((2, 2), float("nan")), 0.1, "inverse", torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_inverse_method_falls_back_to_lu_when_not_positive_definite(layout: str) -> None:
+    indefinite = torch.tensor([[1.0, 2.0, 0.0], [2.0, 1.0, 0.5], [0.0, 0.5, 3.0]],
+                              dtype=torch.float64)
+    if layout == "column-major":
+        indefinite = indefinite.T.contiguous().T
+    inv = damped_inverse(indefinite, 0.1, "inverse", torch.float64)
+    expected = torch.linalg.inv(indefinite + 0.1 * torch.eye(3, dtype=torch.float64))
+    torch.testing.assert_close(inv, (expected + expected.T) / 2)
+    assert torch.equal(inv, inv.T)
+
+
+def test_factor_inverses_are_exactly_symmetric() -> None:
+    torch.manual_seed(5)
+    x = torch.randn(50, 40, dtype=torch.float64)
+    factor = x.T @ x / 50
+    for method in ("inverse", "cholesky"):
+        inv = damped_inverse(factor, 1e-2, method, torch.float32)
+        assert torch.equal(inv, inv.T)
+        expected = torch.linalg.inv(factor + 1e-2 * torch.eye(40, dtype=torch.float64))
+        torch.testing.assert_close(inv.double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_failed_decomposition_keeps_last_good_inverse() -> None:
     torch.manual_seed(4)
     model = nn.Linear(3, 2).double()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import ConfigError, MKORConfig, MKORPreconditioner
-from core.mkor import rescale_to_gradient, stabilise, update_inverse
+from core.mkor import rescale_to_gradient, stabiliser_fires, update_inverse
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -65,14 +65,15 @@ def test_official_rule_blends_the_inverse_then_adds_an_unweighted_rank_one_term(
 
 
 # Stabiliser and rescale ----------------------------------------------------------------------
-def test_stabiliser_blends_towards_identity_above_epsilon_only() -> None:
+@pytest.mark.parametrize("rule", ["exact", "paper", "official"])
+def test_stabiliser_blends_towards_identity_above_epsilon_only(rule: str) -> None:
     inverse = torch.tensor([[3.0, 1.0], [1.0, 0.5]], dtype=F64)
-    blended, fired = stabilise(inverse, epsilon=2.0, zeta=0.9)
-    assert fired
-    torch.testing.assert_close(blended, 0.9 * inverse + 0.1 * torch.eye(2, dtype=F64))
-    assert not torch.allclose(blended, torch.eye(2, dtype=F64))  # blends, never resets to I
-    same, fired = stabilise(inverse, epsilon=3.0, zeta=0.9)  # max |entry| = 3 is not > 3
-    assert not fired and same is inverse
+    assert stabiliser_fires(inverse, epsilon=2.0)
+    assert not stabiliser_fires(inverse, epsilon=3.0)  # max |entry| = 3 is not > 3
+    v = torch.tensor([0.3, -1.2], dtype=F64)
+    blended = 0.9 * inverse + 0.1 * torch.eye(2, dtype=F64)  # blends, never resets to I
+    torch.testing.assert_close(update_inverse(inverse, v, 0.8, rule, blend=0.9),
+                               update_inverse(blended, v, 0.8, rule), rtol=1e-12, atol=1e-12)
 
 
 def test_rescale_keeps_the_direction_and_takes_the_gradient_norm() -> None:

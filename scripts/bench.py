@@ -1,0 +1,935 @@
+"""Per-step cost of K-FAC, DP-KFAC, MKOR and Eva, against the first-order step and the machine.
+
+One run measures, for each workload (model, batch, first-order base optimizer):
+
+* the training step (forward, backward, preconditioner, optimizer) of the first-order base and of
+  every second-order method, as a ratio to the base step measured in the same run, amortized over
+  update intervals 1, 10 and 100 (factors and inverses are both updated every interval steps);
+* the per-stage breakdown (capture, factors, inversion, precondition, communication, scale) from
+  the preconditioner's own stage timer;
+* the second-order work against its lower bound: its FLOP count (or, for memory-bound stages, its
+  bytes) at this machine's throughput for the same kernel kind (GEMM, eigh, Cholesky inverse,
+  memory copy), which the run measures first for each workload; a 512³ calibration matmul timed
+  before every step rescales those rates to the machine's speed at that moment, so load that
+  changes during the run (other processes share the machine) cancels out of the ratio;
+* the factor-GEMM and inversion throughput as a fraction of the measured matmul throughput;
+* peak memory over the first-order run, against the factor and inverse bytes.
+
+How a step is amortized: each method runs a fixed pattern of update steps (factors captured and
+inverses recomputed) and plain steps (precondition only), with a warm-up update and plain step
+first (peak memory is measured on those two). Every step of a method follows a step of the base
+optimizer on its own copy of the model, and ratios are medians of these adjacent pairs. For an
+interval ``N`` the amortized step is ``(T_update + (N - 1) T_plain) / N`` with the median ``T``
+of each kind (ratios and per-stage times are amortized the same way). Timings are wall clock
+(``time.perf_counter``) on the CPU and CUDA events on a GPU, where the forward and backward run
+under bf16 autocast (factors and inversions stay fp32, as ``core`` always keeps them).
+
+Peer numbers (KAISA, the DP-KFAC code, the MKOR code) are inputs (``--peer-*``); this script
+never runs their code. Run with one thread per process (ENVIRONMENT.md §1.6); the run records the
+thread settings and the load average, because other processes share the machine.
+
+    python scripts/bench.py --quick                      # tiny models, seconds (what the test runs)
+    python scripts/bench.py --json scripts/results/bench_cpu.json   # the full run (~15 minutes)
+    python scripts/bench.py --device cuda --json scripts/results/bench_cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads its thread pools
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmark this checkout's core, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from core.optim import build_optimizer  # noqa: E402
+from core.rank1 import BERT_DECODER_PATTERN  # noqa: E402
+
+MB = 2**20
+INTERVALS = (1, 10, 100)
+#: Stage columns of the tables; ``comm`` sums the three communication stages of core.timing.
+COLUMNS = ("capture", "factors", "inversion", "precondition", "comm", "scale")
+COMM_STAGES = ("factor_comm", "inverse_comm", "grad_comm")
+#: Second-order work compared with its lower bound (communication is reported, not bounded).
+WORK = ("capture", "factors", "inversion", "precondition", "scale")
+#: Nominal FLOPs per n³ of the decompositions, used only to express their throughput as a
+#: fraction of the matmul's: LAPACK's Cholesky factorisation (n³/3) plus inverse (2n³/3), and
+#: eigh with vectors (tridiagonalisation 4n³/3, divide and conquer and back-transformation).
+NOMINAL_FLOPS = {"cholesky": 1.0, "eigh": 4.0}
+
+Batch = dict[str, Tensor]
+
+
+# Measurement primitives ----------------------------------------------------------------------
+class Clock:
+    """Wall-clock seconds of a block: ``perf_counter`` on the CPU, CUDA events on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], object]) -> float:
+        """Seconds ``fn()`` takes, its device work included."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+
+    def median(self, fn: Callable[[], object], repeats: int) -> float:
+        """Median seconds of ``repeats`` calls after one warm-up call."""
+        fn()
+        return statistics.median(self.time(fn) for _ in range(repeats))
+
+
+class MemoryProbe:
+    """Peak memory of a run above what was live when it started.
+
+    On a GPU: ``torch.cuda`` peak statistics. On the CPU: the process's resident-set high-water
+    mark (``VmHWM``), reset through ``/proc/self/clear_refs`` after returning freed heap memory
+    to the system (``malloc_trim``), so a peak counts what the run allocated, not earlier
+    garbage. :meth:`mark` restarts the high-water mark but keeps the baseline, so work between
+    the measured steps (the interleaved base steps) is left out.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._baseline = 0
+        try:
+            self._trim: Callable[[int], int] | None = ctypes.CDLL("libc.so.6").malloc_trim
+        except OSError:
+            self._trim = None
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"/proc/self/status has no {key}")
+
+    def mark(self) -> None:
+        """Forget earlier peaks."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return
+        if self._trim is not None:
+            self._trim(0)
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+
+    def start(self) -> None:
+        """Start a run: what is live now is its baseline."""
+        gc.collect()
+        self.mark()
+        self._baseline = (torch.cuda.memory_allocated() if self.cuda
+                          else self._status("VmRSS"))
+
+    def peak(self) -> int:
+        """Bytes above the baseline at the peak since the last :meth:`mark`."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self._baseline
+        return self._status("VmHWM") - self._baseline
+
+
+# Kernel throughput of this machine ------------------------------------------------------------
+@dataclass
+class Rates:
+    """Measured throughput per kernel kind and size.
+
+    Attributes:
+        gemm: FLOP/s of an ``n³`` fp32 matmul, by ``n``.
+        eigh: ``n³``/s of ``torch.linalg.eigh`` of an SPD matrix, by ``n``.
+        cholesky: ``n³``/s of a Cholesky factorisation plus inverse, by ``n``.
+        bandwidth: bytes/s of a large copy (read plus write).
+        reference: Seconds of the calibration matmul (:func:`calibration`) when these rates
+            were measured; a step's bounds are scaled by its own calibration time over this,
+            so load that changes during the run cancels out of the bound ratios.
+    """
+
+    gemm: dict[int, float]
+    eigh: dict[int, float]
+    cholesky: dict[int, float]
+    bandwidth: float
+    reference: float
+
+    def at(self, kind: str, n: int) -> float:
+        """The ``kind`` rate measured at the size nearest ``n`` (log scale)."""
+        table: dict[int, float] = getattr(self, kind)
+        size = min(table, key=lambda s: abs(math.log(max(n, 1) / s)))
+        return table[size]
+
+    @property
+    def peak_gemm(self) -> float:
+        return max(self.gemm.values())
+
+
+def _spd(n: int, device: torch.device) -> Tensor:
+    x = torch.randn(n, 2 * n, device=device)
+    return x @ x.T / (2 * n) + 1e-3 * torch.eye(n, device=device)
+
+
+CALIBRATION_SIZE = 512
+
+
+def calibration(device: torch.device, clock: Clock) -> Callable[[], float]:
+    """A function timing a ``512³`` matmul (median of three): the machine's speed right now."""
+    a = torch.randn(CALIBRATION_SIZE, CALIBRATION_SIZE, device=device)
+    return lambda: clock.median(lambda: a @ a, 3)
+
+
+def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock, repeats: int,
+                  copy_elements: int) -> Rates:
+    """GEMM, eigh and Cholesky-inverse throughput at ``sizes``, and copy bandwidth."""
+    reference = calibration(device, clock)
+    before = reference()
+    gemm, eigh, cholesky = {}, {}, {}
+    for n in sizes:
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        gemm[n] = 2 * n**3 / clock.median(lambda a=a, b=b: a @ b, repeats)
+        spd = _spd(n, device)
+        eigh[n] = n**3 / clock.median(lambda s=spd: torch.linalg.eigh(s), repeats)
+        cholesky[n] = n**3 / clock.median(
+            lambda s=spd: torch.cholesky_inverse(torch.linalg.cholesky(s)), repeats)
+    src = torch.randn(copy_elements, device=device)
+    dst = torch.empty_like(src)
+    seconds = clock.median(lambda: dst.copy_(src), repeats)
+    return Rates(gemm, eigh, cholesky, bandwidth=2 * src.numel() * src.element_size() / seconds,
+                 reference=statistics.median([before, reference()]))
+
+
+# Workloads -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """A model, a fixed synthetic batch and the first-order optimizer the methods feed.
+
+    Attributes:
+        name: Row label.
+        description: What it is, for the table header.
+        build: Builds the model (seeded by the caller).
+        batch: Builds the batch on a device.
+        loss: The training loss of the model on the batch.
+        base: The first-order optimizer (``sgd`` or ``lamb``) every method feeds.
+        lr: Its learning rate.
+        skip_layers: Module-name regexes left first-order by every second-order method.
+        rounds: Timed rounds of one update and two plain steps per method.
+    """
+
+    name: str
+    description: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.device], Batch]
+    loss: Callable[[nn.Module, Batch], Tensor]
+    base: str
+    lr: float
+    skip_layers: tuple[str, ...] = ()
+    rounds: int = 2
+
+
+def cifar_resnet18(num_classes: int = 10) -> nn.Module:
+    """torchvision's ResNet-18 with the CIFAR stem (3x3 stride-1 conv1, no max-pool)."""
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, 3, stride=1, padding=1, bias=False)
+    model.maxpool = nn.Identity()
+    return model
+
+
+def imagenet_resnet18() -> nn.Module:
+    """torchvision's ResNet-18 (ImageNet stem, 1000 classes)."""
+    import torchvision
+
+    return torchvision.models.resnet18()
+
+
+def tiny_cnn() -> nn.Module:
+    """Three convolutions (3x3, strided 3x3, 1x1) and a Linear head, for ``--quick``."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 4 * 4, 10),
+    )
+
+
+def images(batch: int, size: int, classes: int) -> Callable[[torch.device], Batch]:
+    """A fixed batch of random images and labels."""
+
+    def make(device: torch.device) -> Batch:
+        generator = torch.Generator().manual_seed(0)
+        return {"x": torch.randn(batch, 3, size, size, generator=generator).to(device),
+                "y": torch.randint(0, classes, (batch,), generator=generator).to(device)}
+
+    return make
+
+
+def classification_loss(model: nn.Module, batch: Batch) -> Tensor:
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def bert(layers: int, hidden: int, heads: int, vocab: int) -> Callable[[], nn.Module]:
+    """A ``BertForPreTraining`` builder (MLM and next-sentence heads, as the MKOR paper)."""
+
+    def build() -> nn.Module:
+        from transformers import BertConfig, BertForPreTraining
+
+        config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                            num_attention_heads=heads, intermediate_size=4 * hidden)
+        return BertForPreTraining(config)
+
+    return build
+
+
+def masked_tokens(batch: int, seq: int, vocab: int) -> Callable[[torch.device], Batch]:
+    """Random token pairs with 15% of positions as MLM targets and random NSP labels."""
+
+    def make(device: torch.device) -> Batch:
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+        labels = torch.where(torch.rand(batch, seq, generator=generator) < 0.15, ids, -100)
+        types = (torch.arange(seq) >= seq // 2).long().expand(batch, seq)
+        out = {"input_ids": ids, "token_type_ids": types, "labels": labels,
+               "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+               "next_sentence_label": torch.randint(0, 2, (batch,), generator=generator)}
+        return {k: v.to(device) for k, v in out.items()}
+
+    return make
+
+
+def pretraining_loss(model: nn.Module, batch: Batch) -> Tensor:
+    return model(**batch).loss
+
+
+BERT_SKIP = (BERT_DECODER_PATTERN,)
+WORKLOADS: dict[str, Workload] = {
+    "resnet18-32": Workload(
+        "resnet18-32", "ResNet-18 (CIFAR stem), 32x32 inputs, batch 32, SGD",
+        cifar_resnet18, images(32, 32, 10), classification_loss, "sgd", 0.01),
+    "bert-small": Workload(
+        "bert-small", "BERT pre-training, 4 layers, hidden 256, sequence 128, batch 8, LAMB",
+        bert(4, 256, 4, 30522), masked_tokens(8, 128, 30522), pretraining_loss, "lamb", 1e-3,
+        BERT_SKIP, rounds=5),
+    "resnet18-224": Workload(
+        "resnet18-224", "ResNet-18 (ImageNet), 224x224 inputs, batch 16, SGD",
+        imagenet_resnet18, images(16, 224, 1000), classification_loss, "sgd", 0.01, rounds=1),
+    "tiny-cnn": Workload(
+        "tiny-cnn", "three convolutions and a Linear, 8x8 inputs, batch 4, SGD",
+        tiny_cnn, images(4, 8, 10), classification_loss, "sgd", 0.01, rounds=1),
+    "tiny-bert": Workload(
+        "tiny-bert", "BERT pre-training, 1 layer, hidden 32, sequence 16, batch 2, LAMB",
+        bert(1, 32, 2, 64), masked_tokens(2, 16, 64), pretraining_loss, "lamb", 1e-3,
+        BERT_SKIP, rounds=1),
+}
+FULL = ("resnet18-32", "bert-small", "resnet18-224")
+QUICK = ("tiny-cnn", "tiny-bert")
+
+
+# Methods -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Method:
+    """A second-order method as ``core.optim.build_optimizer`` builds it.
+
+    Attributes:
+        name: Row label.
+        optimizer: ``build_optimizer`` name.
+        options: Preconditioner options.
+        schedule: Config fields that take the update schedule.
+        kind: Cost-model family: ``kfac`` (dense factors), ``mkor`` or ``eva``.
+    """
+
+    name: str
+    optimizer: str
+    options: dict[str, Any]
+    schedule: tuple[str, ...]
+    kind: str
+
+    @property
+    def decomposition(self) -> str:
+        """Kernel kind of the inversion stage (``eigh`` or ``cholesky``; rank-1 methods: none)."""
+        return "eigh" if self.options.get("inverse_method") == "eigen" else "cholesky"
+
+
+KFAC_SCHEDULE = ("factor_update_steps", "inv_update_steps")
+METHODS = (
+    Method("kfac-eigen", "kfac", {"inverse_method": "eigen"}, KFAC_SCHEDULE, "kfac"),
+    Method("kfac-inverse", "kfac", {"inverse_method": "inverse"}, KFAC_SCHEDULE, "kfac"),
+    Method("dp-kfac", "kfac", {"inverse_method": "inverse", "strategy": "dp-kfac",
+                               "factor_scaling": "dpkfac", "damping_split": "pi"},
+           KFAC_SCHEDULE, "kfac"),
+    Method("mkor", "mkor", {}, ("inv_update_steps",), "mkor"),
+    Method("eva", "eva", {}, ("factor_update_steps",), "eva"),
+)
+
+
+def update_schedule(updates: frozenset[int]) -> Callable[[int], int]:
+    """An interval schedule whose updates fall exactly on the steps in ``updates`` (and 0).
+
+    ``core`` updates at ``step`` when ``step % interval(step) == 0``: interval 1 there,
+    ``step + 1`` elsewhere.
+    """
+    return lambda step: 1 if step in updates else step + 1
+
+
+# One method on one workload ------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerShape:
+    """What the cost model needs of one preconditioned layer.
+
+    Attributes:
+        a_dim: ``A``'s dimension. g_dim: ``G``'s dimension.
+        rows: Rows of the factor GEMMs (examples times positions, or examples when the
+            convention averages over positions first).
+    """
+
+    a_dim: int
+    g_dim: int
+    rows: int
+
+
+@dataclass
+class MethodRun:
+    """Raw measurements of one method (or the base alone) on one workload.
+
+    Attributes:
+        kinds: ``"update"`` or ``"plain"`` per timed step.
+        seconds: Step time per timed step.
+        base_seconds: Time of the base step run just before each timed step (the ratio of the
+            two is insensitive to load that drifts slower than a step).
+        reference_seconds: The calibration matmul's time just before each timed step.
+        stages: The preconditioner's stage times per timed step (empty for the base).
+        peak_bytes: Peak memory above the state before the first step, plus the state the
+            method allocated when it was built.
+        state_bytes: Factor and inverse bytes the method holds (its ``memory_usage``).
+        layers: Shapes of the preconditioned layers.
+        failures: Decomposition or update failures counted by the method.
+    """
+
+    kinds: list[str]
+    seconds: list[float]
+    base_seconds: list[float]
+    reference_seconds: list[float]
+    stages: list[dict[str, float]]
+    peak_bytes: int
+    state_bytes: int
+    layers: list[LayerShape]
+    failures: int
+
+    def _of(self, kind: str, values: Sequence[float]) -> float:
+        return statistics.median(v for k, v in zip(self.kinds, values, strict=True) if k == kind)
+
+    def median(self, kind: str) -> float:
+        """Median step seconds of ``kind`` steps."""
+        return self._of(kind, self.seconds)
+
+    def ratio(self, kind: str) -> float:
+        """Median over ``kind`` steps of the step time over the adjacent base step time."""
+        return self._of(kind, [s / b for s, b in zip(self.seconds, self.base_seconds,
+                                                      strict=True)])
+
+    def slowdown(self, kind: str, reference: float) -> float:
+        """Median over ``kind`` steps of the calibration time over ``reference``."""
+        return self._of(kind, [r / reference for r in self.reference_seconds])
+
+    def stage_median(self, kind: str, column: str) -> float:
+        """Median seconds of a :data:`COLUMNS` stage over ``kind`` steps."""
+        return self._of(kind, [sum(s.get(x, 0.0) for x in COMM_STAGES) if column == "comm"
+                               else s.get(column, 0.0) for s in self.stages])
+
+
+class Trainer:
+    """A model, its optimizer (built by ``core.optim.build_optimizer``) and a fixed batch.
+
+    Args:
+        workload: What to train.
+        method: The second-order method, or None for the base optimizer alone.
+        updates: Steps on which the method updates its factors and inverses.
+        device: Where to train.
+        autocast: Context for the forward and the loss.
+    """
+
+    def __init__(self, workload: Workload, method: Method | None, updates: frozenset[int],
+                 device: torch.device, autocast: Callable[[], AbstractContextManager[Any]]
+                 ) -> None:
+        torch.manual_seed(0)
+        self.workload, self.autocast = workload, autocast
+        self.model = workload.build().to(device)
+        self.batch = workload.batch(device)
+        options: dict[str, Any] = {}
+        if method is not None:
+            options = {"base": workload.base, "skip_layers": workload.skip_layers,
+                       **method.options}
+            options.update({key: update_schedule(updates) for key in method.schedule})
+        self.optimizer = build_optimizer(method.optimizer if method else workload.base,
+                                         self.model, lr=workload.lr, **options)
+        self.average_positions = options.get("factor_scaling") == "dpkfac"
+
+    def step(self) -> None:
+        """One training step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = self.workload.loss(self.model, self.batch)
+        loss.backward()
+        self.optimizer.step()
+
+
+def step_kinds(rounds: int) -> list[str]:
+    """Warm-up update and plain step (untimed; peak memory is measured on them, the update
+    step being the one with the largest transients), then ``rounds`` of one update and two
+    plain steps."""
+    return ["update", "plain"] + ["update", "plain", "plain"] * rounds
+
+
+WARM_STEPS = 2
+
+
+def run_base(workload: Workload, device: torch.device, memory: MemoryProbe,
+             autocast: Callable[[], AbstractContextManager[Any]]) -> tuple[Trainer, int]:
+    """A base trainer after its first steps, and its peak memory over them.
+
+    A throw-away trainer runs first, so imports and kernel caches are not counted.
+    """
+    warm = Trainer(workload, None, frozenset(), device, autocast)
+    for _ in range(WARM_STEPS):
+        warm.step()
+    del warm
+    trainer = Trainer(workload, None, frozenset(), device, autocast)
+    memory.start()
+    for _ in range(WARM_STEPS):
+        trainer.step()
+    return trainer, memory.peak()
+
+
+def state_bytes(precond: Any) -> int:
+    """Bytes of the method's curvature state: factors, inverses or eigenbases, vectors."""
+    usage = precond.memory_usage()
+    return sum(v for k, v in usage.items() if k in ("factors", "inverses", "vectors"))
+
+
+def run_method(workload: Workload, method: Method, base: Trainer, device: torch.device,
+               clock: Clock, memory: MemoryProbe,
+               autocast: Callable[[], AbstractContextManager[Any]],
+               reference: Callable[[], float]) -> MethodRun:
+    """Train ``workload`` with ``method``, each step right after a step of ``base`` and a
+    calibration matmul (``reference``)."""
+    kinds = step_kinds(workload.rounds)
+    updates = frozenset(i for i, kind in enumerate(kinds) if kind == "update")
+    trainer = Trainer(workload, method, updates, device, autocast)
+    precond = trainer.optimizer.preconditioner
+    rows, handles = record_shapes(trainer.model, [layer.name for layer in precond.layers],
+                                  trainer.average_positions)
+    built = state_bytes(precond)  # allocated with the method (MKOR's identity inverses)
+    memory.start()
+    seconds, base_seconds, references, stages, peak = [], [], [], [], 0
+    for i in range(len(kinds)):
+        base_seconds.append(clock.time(base.step))
+        references.append(reference())
+        warm = i < WARM_STEPS  # memory is measured on the untimed warm-up steps only: its
+        if warm:  # probe returns freed heap memory, which timed steps would pay to fault in
+            memory.mark()
+        seconds.append(clock.time(trainer.step))
+        if warm:
+            peak = max(peak, memory.peak())
+        stages.append(dict(precond.timer.last))
+        for handle in handles:  # the first step recorded the rows
+            handle.remove()
+    metrics = precond.metrics()
+    return MethodRun(
+        kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
+        references[WARM_STEPS:], stages[WARM_STEPS:], built + peak,
+        state_bytes=state_bytes(precond),
+        layers=[LayerShape(layer.a_dim, layer.g_dim, rows[layer.name])
+                for layer in precond.layers],
+        failures=int(metrics.get("decomposition_failures", 0)
+                     + metrics.get("update_failures", 0)))
+
+
+def record_shapes(model: nn.Module, names: Sequence[str], average_positions: bool
+                  ) -> tuple[dict[str, int], list[Any]]:
+    """Forward hooks that record the factor-GEMM rows of the named modules on the next call."""
+    rows: dict[str, int] = {}
+    modules = dict(model.named_modules())
+
+    def hook(name: str) -> Callable[..., None]:
+        def run(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            if isinstance(module, nn.Conv2d):
+                rows[name] = output.shape[0] * output.shape[2] * output.shape[3]
+            elif average_positions:  # dpkfac: a 3-D Linear input is averaged over positions
+                rows[name] = inputs[0].shape[0]
+            else:
+                rows[name] = inputs[0].numel() // inputs[0].shape[-1]
+        return run
+
+    handles = [modules[name].register_forward_hook(hook(name)) for name in names]
+    return rows, handles
+
+
+# Lower bounds --------------------------------------------------------------------------------
+def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
+                 ) -> dict[str, dict[str, float]]:
+    """Seconds each stage needs at least, on an update step and on a plain step.
+
+    FLOP counts at the measured rate of the same kernel kind, at the nearest measured size:
+    factors are symmetric rank-k updates (``rows·d²`` FLOPs per factor, GEMM rate);
+    decompositions run at the eigh or Cholesky-inverse rate; preconditioning is GEMMs
+    (``2·g·a·(g + a)`` FLOPs, twice that for the eigenbasis rotations). Memory-bound work (the
+    rank-1 statistics and updates, Eva's closed form, the scale and write-back) counts the
+    passes over its data at the copy bandwidth. Capture (building factor rows) has no bound of
+    its own: a lower bound need not materialise rows, so it counts as overhead of ``factors``.
+    """
+    word = 4  # fp32
+    update = dict.fromkeys(WORK, 0.0)
+    plain = dict.fromkeys(WORK, 0.0)
+    for layer in layers:
+        a, g, rows = layer.a_dim, layer.g_dim, layer.rows
+        gemm = 2 * g * a * (g + a) / rates.at("gemm", min(g, a))
+        scale = 3 * g * a * word / rates.bandwidth  # read P and the gradient, write .grad
+        if method.kind == "kfac":
+            update["factors"] += sum(rows * d * d / rates.at("gemm", d) for d in (a, g))
+            kind = method.decomposition
+            update["inversion"] += sum(d**3 / rates.at(kind, d) for d in (a, g))
+            rotations = 2 if kind == "eigh" else 1
+            step_work = {"precondition": rotations * gemm, "scale": scale}
+        else:
+            update["factors"] += rows * (a + g) * word / rates.bandwidth  # row means
+            if method.kind == "mkor":  # matvec, then the rank-1 update (read and write)
+                update["inversion"] += 3 * (a * a + g * g) * word / rates.bandwidth
+                step_work = {"precondition": gemm, "scale": scale}
+            else:  # eva: a bilinear form, then one rank-1 update of the gradient
+                step_work = {"precondition": 3 * g * a * word / rates.bandwidth, "scale": scale}
+        for stage, seconds in step_work.items():
+            update[stage] += seconds
+            plain[stage] += seconds
+    return {"update": update, "plain": plain}
+
+
+def amortize(update: float, plain: float, interval: int) -> float:
+    """Mean per-step value when one step in ``interval`` is an update step."""
+    return (update + (interval - 1) * plain) / interval
+
+
+# Report --------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One (workload, method, interval) line of the results."""
+
+    workload: str
+    method: str
+    interval: int
+    step_s: float
+    ratio: float
+    stages_s: dict[str, float]
+    bound_s: dict[str, float]
+    work_ratio: float
+    memory_over_base_mb: float
+    state_mb: float
+    memory_ratio: float
+    factor_gemm_fraction: float | None
+    inversion_fraction: float | None
+    failures: int
+
+
+def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rates: Rates,
+              intervals: Sequence[int]) -> list[Row]:
+    """Amortized rows of one method for every interval.
+
+    Args:
+        workload: Its name.
+        base_peak: Peak bytes of the base run.
+        method: The method.
+        run: Its measurements.
+        rates: This machine's kernel rates, for the bounds; each kind of step scales them by
+            its median calibration time over the one measured with the rates.
+        intervals: Update intervals to amortize over.
+    """
+    bounds = stage_bounds(method, run.layers, rates)
+    over = (run.peak_bytes - base_peak) / MB
+    state = run.state_bytes / MB
+    factor_flops = sum(x.rows * (x.a_dim**2 + x.g_dim**2) for x in run.layers)
+    factor_s = run.stage_median("update", "factors")
+    decomposition_flops = NOMINAL_FLOPS[method.decomposition] * sum(
+        x.a_dim**3 + x.g_dim**3 for x in run.layers)
+    inversion_s = run.stage_median("update", "inversion")
+    dense = method.kind == "kfac"
+    slow = {kind: run.slowdown(kind, rates.reference) for kind in ("update", "plain")}
+    peak_now = rates.peak_gemm / slow["update"]
+    rows = []
+    for n in intervals:
+        stages = {c: amortize(run.stage_median("update", c), run.stage_median("plain", c), n)
+                  for c in COLUMNS}
+        bound = {s: amortize(bounds["update"][s] * slow["update"],
+                             bounds["plain"][s] * slow["plain"], n) for s in WORK}
+        work = sum(stages[s] for s in WORK)
+        rows.append(Row(
+            workload, method.name, n,
+            amortize(run.median("update"), run.median("plain"), n),
+            amortize(run.ratio("update"), run.ratio("plain"), n), stages, bound,
+            work / max(sum(bound.values()), 1e-12), over, state,
+            over / state if state else math.nan,
+            factor_flops / factor_s / peak_now if dense and factor_s > 0 else None,
+            decomposition_flops / inversion_s / peak_now if dense and inversion_s > 0 else None,
+            run.failures))
+    return rows
+
+
+def markdown_table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def results_table(rows: Sequence[Row], base_steps: dict[str, float]) -> str:
+    """The main table: amortized step, ratio, stages, bound ratio and memory."""
+    header = ["workload", "method", "every", "step s", "x base", *[f"{c} ms" for c in COLUMNS],
+              "work / bound", "mem over base MB", "factors+inv MB", "mem ratio"]
+    lines = [[w, "base", "-", f"{s:.3f}", "1.00", *["-"] * len(COLUMNS), "-", "-", "-", "-"]
+             for w, s in base_steps.items()]
+    for r in rows:
+        lines.append([r.workload, r.method, str(r.interval), f"{r.step_s:.3f}", f"{r.ratio:.2f}",
+                      *[f"{1e3 * r.stages_s[c]:.1f}" for c in COLUMNS], f"{r.work_ratio:.2f}",
+                      f"{r.memory_over_base_mb:.0f}", f"{r.state_mb:.0f}",
+                      f"{r.memory_ratio:.2f}"])
+    lines.sort(key=lambda line: list(base_steps).index(line[0]))
+    return markdown_table(header, lines)
+
+
+def bound_table(rows: Sequence[Row]) -> str:
+    """Per-stage ratio of measured time to its lower bound (capture counted in factors)."""
+    header = ["workload", "method", "every", "factors", "inversion", "precondition", "scale",
+              "all work", "factor GEMM / matmul", "inversion / matmul"]
+
+    def ratio(r: Row, stage: str) -> str:
+        spent = r.stages_s[stage] + (r.stages_s["capture"] if stage == "factors" else 0.0)
+        bound = r.bound_s[stage]
+        return f"{spent / bound:.2f}" if bound > 0 else "-"
+
+    def fraction(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = [[r.workload, r.method, str(r.interval),
+              *[ratio(r, s) for s in ("factors", "inversion", "precondition", "scale")],
+              f"{r.work_ratio:.2f}", fraction(r.factor_gemm_fraction),
+              fraction(r.inversion_fraction)] for r in rows]
+    return markdown_table(header, lines)
+
+
+def rates_table(rates: Rates) -> str:
+    header = ["kernel", *[str(n) for n in rates.gemm]]
+    lines = [["GEMM GFLOP/s", *[f"{v / 1e9:.1f}" for v in rates.gemm.values()]]]
+    for kind in ("eigh", "cholesky"):
+        table: dict[int, float] = getattr(rates, kind)
+        flops = NOMINAL_FLOPS[kind]
+        lines.append([f"{kind} GFLOP/s (nominal {flops:g}n³)",
+                      *[f"{flops * v / 1e9:.1f}" for v in table.values()]])
+    return (markdown_table(header, lines)
+            + f"\n\nCopy bandwidth: {rates.bandwidth / 1e9:.1f} GB/s (read + write).")
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Peer step times as multiples of their first-order step, measured by the issue author.
+
+    Attributes:
+        resnet_inverse: ResNet-18 (32x32, batch 32), K-FAC inverse method every 10 steps:
+            KAISA, the DP-KFAC code and the MKOR code.
+        bert_dpkfac: Small BERT every 10 steps, DP-KFAC (inverse).
+        bert_mkor: Small BERT every 10 steps, MKOR.
+    """
+
+    resnet_inverse: dict[str, float]
+    bert_dpkfac: float
+    bert_mkor: float
+
+
+def find(rows: Sequence[Row], workload: str, method: str, interval: int) -> Row | None:
+    for r in rows:
+        if (r.workload, r.method, r.interval) == (workload, method, interval):
+            return r
+    return None
+
+
+def targets(rows: Sequence[Row], peers: Peers) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured values and whether it is met."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, values: list[float], limit: float, at_least: bool) -> None:
+        met = all((v >= limit) if at_least else (v <= limit) for v in values)
+        out.append({"target": name, "measured": values, "limit": limit, "at_least": at_least,
+                    "met": met})
+
+    pairs = dict.fromkeys((r.workload, r.method) for r in rows)
+    for workload, method in pairs:
+        mine = [r for r in rows if (r.workload, r.method) == (workload, method)]
+        every = "/".join(str(r.interval) for r in mine)
+        add(f"{workload} {method}: second-order work / lower bound, every {every}",
+            [r.work_ratio for r in mine], 1.3, False)
+        if not math.isnan(mine[0].memory_ratio):
+            add(f"{workload} {method}: memory over base / (factors + inverses)",
+                [mine[0].memory_ratio], 1.2, False)
+    fastest = min(peers.resnet_inverse.values())
+    for workload, method, peer in (("resnet18-32", "kfac-inverse", fastest),
+                                   ("resnet18-32", "dp-kfac", fastest),
+                                   ("bert-small", "dp-kfac", peers.bert_dpkfac),
+                                   ("bert-small", "mkor", peers.bert_mkor)):
+        r = find(rows, workload, method, 10)
+        if r is not None:
+            add(f"{workload} {method} every 10: speed-up over the fastest peer ({peer:g}x base)",
+                [peer / r.ratio], 1.5, True)
+    r = find(rows, "bert-small", "mkor", 10)
+    if r is not None:
+        add("bert-small mkor every 10: step / LAMB step", [r.ratio], 1.1, False)
+    return out
+
+
+def targets_table(results: Sequence[dict[str, Any]]) -> str:
+    lines = [[t["target"], " / ".join(f"{v:.2f}" for v in t["measured"]),
+              ("≥ " if t["at_least"] else "≤ ") + f"{t['limit']:g}",
+              "met" if t["met"] else "**not met**"] for t in results]
+    return markdown_table(["target", "measured", "limit", "status"], lines)
+
+
+# Driver --------------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict[str, Any]:
+    """Thread settings, versions and hardware, recorded with every result."""
+    env: dict[str, Any] = {
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "processor": platform.processor(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"), "device": str(device),
+    }
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                env["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+@contextmanager
+def bf16_autocast(device: torch.device) -> Iterator[None]:
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        yield
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny models and kernel sizes: a smoke run of seconds")
+    parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
+                        help=f"default: {' '.join(FULL)} (--quick: {' '.join(QUICK)})")
+    parser.add_argument("--methods", nargs="+", choices=[m.name for m in METHODS],
+                        default=[m.name for m in METHODS])
+    parser.add_argument("--intervals", nargs="+", type=int, default=list(INTERVALS))
+    parser.add_argument("--rounds", type=int, help="timed rounds per method (default: per "
+                        "workload; each is one update and two plain steps)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--no-autocast", action="store_true",
+                        help="on a GPU, run the forward and backward in fp32")
+    parser.add_argument("--json", type=Path, help="write every measurement to this file")
+    parser.add_argument("--peer-kaisa", type=float, default=12.5)
+    parser.add_argument("--peer-dpkfac", type=float, default=10.9)
+    parser.add_argument("--peer-mkor", type=float, default=6.6)
+    parser.add_argument("--peer-bert-dpkfac", type=float, default=1.26)
+    parser.add_argument("--peer-bert-mkor", type=float, default=1.19)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print its markdown tables, and return (and optionally write) them."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    clock, memory = Clock(device), MemoryProbe(device)
+    use_autocast = device.type == "cuda" and not args.no_autocast
+
+    def autocast() -> AbstractContextManager[Any]:
+        return bf16_autocast(device) if use_autocast else nullcontext()
+
+    names = args.workloads or (QUICK if args.quick else FULL)
+    methods = [m for m in METHODS if m.name in args.methods]
+    peers = Peers({"KAISA": args.peer_kaisa, "DP-KFAC": args.peer_dpkfac,
+                   "MKOR": args.peer_mkor}, args.peer_bert_dpkfac, args.peer_bert_mkor)
+    load = {"start": os.getloadavg()}
+    started = time.perf_counter()
+    sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)
+    rows: list[Row] = []
+    base_steps: dict[str, float] = {}
+    raw: dict[str, dict[str, Any]] = {}
+    all_rates: dict[str, Rates] = {}
+    for name in names:
+        workload = WORKLOADS[name]
+        if args.rounds is not None:
+            workload = Workload(**{**workload.__dict__, "rounds": args.rounds})
+        rates = all_rates[name] = measure_rates(
+            sizes, device, clock, repeats=3, copy_elements=2**20 if args.quick else 2**26)
+        reference = calibration(device, clock)
+        base, base_peak = run_base(workload, device, memory, autocast)
+        raw[name] = {"base_peak_bytes": base_peak, "load_before": os.getloadavg()}
+        timings = []
+        for method in methods:
+            run = run_method(workload, method, base, device, clock, memory, autocast,
+                             reference)
+            raw[name][method.name] = asdict(run)
+            timings += run.base_seconds
+            base_steps[name] = statistics.median(timings)
+            rows += summarise(name, base_peak, method, run, rates, args.intervals)
+        del base
+        raw[name]["load_after"] = os.getloadavg()
+        print(f"[{name} done at {time.perf_counter() - started:.0f} s, load "
+              f"{os.getloadavg()[0]:.2f}]", file=sys.stderr, flush=True)
+    load["end"] = os.getloadavg()
+    goals = targets(rows, peers)
+    env = environment(device)
+    tables = {
+        "environment": "\n".join(f"- {k}: {v}" for k, v in env.items())
+        + f"\n- load average (1, 5, 15 min): start {load['start']}, end {load['end']}"
+        + f"\n- wall time: {time.perf_counter() - started:.0f} s",
+        "rates": "\n\n".join(f"{name}:\n\n{rates_table(r)}" for name, r in all_rates.items()),
+        "results": results_table(rows, base_steps),
+        "bounds": bound_table(rows),
+        "targets": targets_table(goals),
+    }
+    for title, table in tables.items():
+        print(f"\n### {title}\n\n{table}")
+    out = {"environment": env, "load": load,
+           "rates": {name: asdict(r) for name, r in all_rates.items()}, "workloads":
+           {n: WORKLOADS[n].description for n in names}, "peers": asdict(peers),
+           "rows": [asdict(r) for r in rows], "targets": goals, "raw": raw, "tables": tables}
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    return out
+
+
+if __name__ == "__main__":
+    main()
