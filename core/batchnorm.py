@@ -111,6 +111,7 @@ class BatchNormBlock:
         self.batch: Tensor | None = None
         self._normalised: list[Tensor] = []
         self.failures = 0
+        self.nonfinite_skips = 0
 
     def capture_input(self, x: Tensor) -> None:
         """Store ``x̂``, the input normalised with this batch's statistics (as the forward did)."""
@@ -141,6 +142,20 @@ class BatchNormBlock:
         gamma, beta = split(blocks, self.mode)
         for param, value in ((self.module.weight, gamma), (self.module.bias, beta)):
             param.grad = value.reshape(param.shape).to(param.dtype).contiguous()
+
+    def update(self, batch: Tensor, decay: float, damping: float) -> None:
+        """Blend a batch of Fisher blocks into the running average and re-invert it.
+
+        A non-finite batch (a NaN or Inf activation or gradient) is skipped, counted and
+        reported; the running blocks and the last good inverse stay as they were.
+        """
+        if not bool(torch.isfinite(batch).all()):
+            self.nonfinite_skips += 1
+            warnings.warn(f"{self.name}: non-finite Fisher batch skipped "
+                          f"({self.nonfinite_skips} so far)", stacklevel=2)
+            return
+        self.fisher.update(batch, decay)
+        self.update_inverse(damping)
 
     def update_inverse(self, damping: float) -> None:
         """Recompute ``(F + λI)⁻¹``; on failure keep the last good inverse and count it."""
@@ -235,8 +250,7 @@ class BatchNormPreconditioner:
                 decay = float(value_at(self.factor_decay, self.steps))
                 damping = float(value_at(self.damping, self.steps))
                 for block, batch in zip(self.blocks, batches, strict=True):
-                    block.fisher.update(batch, decay)  # type: ignore[arg-type]
-                    block.update_inverse(damping)
+                    block.update(batch, decay, damping)  # type: ignore[arg-type]
         self.last_preconditioned = sum(block.precondition() for block in self.blocks)
         self.steps += 1
         self._capturing = self._update_due(self.steps)
@@ -255,9 +269,11 @@ class BatchNormPreconditioner:
             offset += b.numel()
 
     def metrics(self) -> dict[str, float]:
-        """Layers preconditioned at the last step and decomposition failures so far."""
+        """Layers preconditioned at the last step; decomposition failures and skipped non-finite
+        batches so far."""
         return {"bn/preconditioned_layers": float(self.last_preconditioned),
-                "bn/decomposition_failures": float(sum(b.failures for b in self.blocks))}
+                "bn/decomposition_failures": float(sum(b.failures for b in self.blocks)),
+                "bn/nonfinite_skips": float(sum(b.nonfinite_skips for b in self.blocks))}
 
     def state_dict(self) -> dict[str, Any]:
         """Step count, mode and every layer's running Fisher blocks and inverse."""
@@ -265,7 +281,8 @@ class BatchNormPreconditioner:
             "steps": self.steps,
             "mode": self.mode,
             "layers": {b.name: {"fisher": b.fisher.value, "inverse": b.inverse,
-                                "failures": b.failures} for b in self.blocks},
+                                "failures": b.failures, "nonfinite_skips": b.nonfinite_skips}
+                       for b in self.blocks},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -280,6 +297,7 @@ class BatchNormPreconditioner:
             block.fisher.value = saved["fisher"]
             block.inverse = saved["inverse"]
             block.failures = int(saved["failures"])
+            block.nonfinite_skips = int(saved["nonfinite_skips"])
         self.steps = int(state["steps"])
         self._capturing = self._update_due(self.steps)
 

@@ -4,7 +4,9 @@
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`init_distributed` reads them and joins
 the process group (NCCL on GPUs, gloo on CPUs). Run without them, it is a single process.
 :func:`run_local` starts such processes on this machine without ``torchrun`` (an entry point's
-``--workers N``, tests).
+``--workers N``, tests). Under ``torchrun --max-restarts N`` a failed worker makes the agent
+restart the whole group with ``TORCHELASTIC_RESTART_COUNT`` raised by one;
+:attr:`DistContext.restarts` reports it, so entry points resume from their checkpoints then.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class DistContext:
         local_rank: Rank on this node (selects the GPU).
         device: The device this process computes on.
         is_main: Whether this is rank 0 (which logs, writes results and checkpoints).
+        restarts: How often ``torchrun`` has restarted the worker group (0 on the first attempt
+            and without ``torchrun``); after a restart the run continues from its checkpoints.
     """
 
     rank: int
@@ -44,6 +48,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     is_main: bool
+    restarts: int = 0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -60,7 +65,9 @@ def init_distributed(device: str = "auto") -> DistContext:
     With ``WORLD_SIZE`` > 1 the process group is initialised from the environment (NCCL when
     CUDA is available, else gloo), and each process uses one thread (``torch.set_num_threads(1)``
     and ``OMP_NUM_THREADS=1``): several processes with several threads each on shared cores make
-    dense linear algebra hundreds of times slower.
+    dense linear algebra hundreds of times slower. The group's keys in the rendezvous store are
+    prefixed by the ``torchrun`` attempt: the elastic agent keeps one store across restarts, and
+    a restarted group reading the failed attempt's addresses would connect to dead workers.
 
     Args:
         device: ``"auto"`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``"cpu"``
@@ -86,14 +93,17 @@ def init_distributed(device: str = "auto") -> DistContext:
         chosen = torch.device("cuda", local_rank)
     else:
         chosen = torch.device("cpu")
+    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if world_size > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
         if not dist.is_initialized():
+            store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
             dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size,
+                                    store=dist.PrefixStore(f"attempt-{restarts}", store))
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen,
-                       is_main=rank == 0)
+                       is_main=rank == 0, restarts=restarts)
 
 
 @contextmanager

@@ -34,11 +34,13 @@ from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 from core import KFACPreconditioner
+from core.config import ConfigError, check_number
 from core.distributed import Communicator, average_gradients
 from core.timing import StageTimer
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
 from reproductions.common.checkpoint import load_latest_checkpoint, save_checkpoint
+from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import (
     DistContext,
     cleanup,
@@ -101,13 +103,43 @@ class TrainConfig:
     checkpoint_every: int = 200
     test_examples: int | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.experiment, str) or not self.experiment or "/" in self.experiment:
+            raise ConfigError("experiment", self.experiment, "a non-empty name without '/'")
+        for name in ("epochs", "batch_size", "factor_update_steps", "inv_update_steps",
+                     "checkpoint_every"):
+            check_number(name, getattr(self, name), low=1, integer=True)
+        for name in ("max_steps", "test_examples"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name), low=1, integer=True)
+        check_number("seed", self.seed, low=0, integer=True)
+        finite = {"high": math.inf, "high_inclusive": False}
+        for name in ("lr", "weight_decay"):
+            check_number(name, getattr(self, name), low=0.0, **finite)
+        for name in ("damping", "kl_clip"):
+            check_number(name, getattr(self, name), low=0.0, low_inclusive=False, **finite)
+        for name in ("momentum", "factor_decay"):
+            check_number(name, getattr(self, name), low=0.0, high=1.0, high_inclusive=False)
+
     @classmethod
     def from_file(cls, path: Path) -> TrainConfig:
-        """Read a JSON config; unknown fields are an error."""
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-        unknown = sorted(set(data) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{path}: unknown config fields {unknown}")
+        """Read a JSON config.
+
+        Raises:
+            ConfigError: the file cannot be read, is not a JSON object, or has an unknown or
+                invalid field (named).
+        """
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError("--config", str(path), f"a readable JSON file ({exc})") from None
+        known = [f.name for f in fields(cls)]
+        if not isinstance(data, dict):
+            raise ConfigError("--config", str(path), "a JSON object of fields: "
+                              + ", ".join(known))
+        for key in data:
+            if key not in known:
+                raise ConfigError(key, data[key], f"a field of {path}: " + ", ".join(known))
         return cls(**data)
 
 
@@ -316,14 +348,15 @@ def run(names: list[str], config: TrainConfig, out: Path, run_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line; a configuration or data error exits with one line (no traceback)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--optimizer", nargs="+", choices=list(OPTIMIZERS),
                         default=list(OPTIMIZERS))
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    parser.add_argument("--workers", type=int, default=4,
+    parser.add_argument("--workers", type=positive_int, default=4,
                         help="local gloo processes to start (ignored under torchrun)")
-    parser.add_argument("--epochs", type=int, help="override the config's epochs")
-    parser.add_argument("--max-steps", type=int, help="stop after this many steps")
+    parser.add_argument("--epochs", type=positive_int, help="override the config's epochs")
+    parser.add_argument("--max-steps", type=positive_int, help="stop after this many steps")
     parser.add_argument("--out", type=Path, default=HERE / "results",
                         help="where results files go")
     parser.add_argument("--run-dir", type=Path, default=Path("runs") / PAPER,
@@ -331,18 +364,19 @@ def main(argv: list[str] | None = None) -> None:
     add_data_dir_argument(parser)
     add_wandb_argument(parser)
     args = parser.parse_args(argv)
-    config = TrainConfig.from_file(args.config)
-    overrides = {k: v for k, v in (("epochs", args.epochs), ("max_steps", args.max_steps))
-                 if v is not None}
-    config = replace(config, **overrides)
-    fashion_mnist(train=True, root=args.data_dir)  # build the cache once, before the workers
-    fashion_mnist(train=False, root=args.data_dir)
-    options = (args.optimizer, config, args.out, args.run_dir, args.data_dir, args.wandb)
-    if "RANK" in os.environ or args.workers == 1:
-        run(*options)
-        cleanup()
-    else:
-        run_local(run, args.workers, *options)
+    with exit_on_user_error(parser):
+        config = TrainConfig.from_file(args.config)
+        overrides = {k: v for k, v in (("epochs", args.epochs), ("max_steps", args.max_steps))
+                     if v is not None}
+        config = replace(config, **overrides)
+        fashion_mnist(train=True, root=args.data_dir)  # build the cache once, before the workers
+        fashion_mnist(train=False, root=args.data_dir)
+        options = (args.optimizer, config, args.out, args.run_dir, args.data_dir, args.wandb)
+        if "RANK" in os.environ or args.workers == 1:
+            run(*options)
+            cleanup()
+        else:
+            run_local(run, args.workers, *options)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from core.rank1 import BERT_DECODER_PATTERN, Rank1Preconditioner
 from data.atomic import atomic_directory
 from data.paths import add_data_dir_argument
 from reproductions.common.checkpoint import load_latest_checkpoint, save_checkpoint
+from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import (
     DistContext,
     cleanup,
@@ -66,7 +67,7 @@ PAPER = "mkor"
 # ----------------------------------------------------------------------------------------------
 # Command line
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     """The command line; every flag overrides the config field of the same name."""
     fields = "\n".join(f"  {name:<26} {text} (default {default!r})"
                        for name, text, default in field_help())
@@ -109,19 +110,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="continue each run from its newest checkpoint; finished runs are "
                              "kept; without it, earlier checkpoints of these runs are deleted")
-    parser.add_argument("--stop-after", type=int, metavar="N", dest="stop_after",
+    parser.add_argument("--stop-after", type=positive_int, metavar="N", dest="stop_after",
                         help="stop each run after N steps of this invocation, with a "
                              "checkpoint (for wall-time-limited jobs; continue with --resume)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="compute device (auto: the local GPU under torchrun, else CPU)")
-    parser.add_argument("--threads", type=int, metavar="N",
+    parser.add_argument("--threads", type=positive_int, metavar="N",
                         help="CPU threads of this process (default: torch's, all cores; one "
                              "per process under torchrun). Use 1 on a shared machine: "
                              "oversubscribed threads slow K-FAC's eigendecompositions hundreds "
                              "of times")
     add_wandb_argument(parser)
     add_data_dir_argument(parser)
-    return parser.parse_args(argv)
+    return parser
 
 
 def build_config(args: argparse.Namespace) -> PretrainConfig:
@@ -490,9 +491,18 @@ def warm_start(cfg: PretrainConfig, ctx: DistContext, args: argparse.Namespace
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run the comparison and print its table; returns every run's results data."""
-    args = parse_args(argv)
-    cfg = build_config(args)
+    """Run the comparison and print its table; returns every run's results data.
+
+    A configuration or data error exits with one line naming the field or file (no traceback).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    with exit_on_user_error(parser):
+        return _compare(build_config(args), args)
+
+
+def _compare(cfg: PretrainConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The body of :func:`main`: the warm start, then every optimizer from its weights."""
     ctx = init_distributed(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

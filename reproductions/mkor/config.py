@@ -10,6 +10,7 @@ checked on construction and a bad value raises :class:`core.config.ConfigError` 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,15 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 SCHEDULES = ("poly", "linear")
+
+_FINITE = {"high": math.inf, "high_inclusive": False}
+
+
+def _check_strings(name: str, value: Any) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a non-empty list of strings."""
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(item, str) for item in value)):
+        raise ConfigError(name, value, "a non-empty list of strings")
 
 
 def _help(text: str, default: Any = MISSING, factory: Any = MISSING) -> Any:
@@ -60,7 +70,7 @@ class WarmStart:
     def __post_init__(self) -> None:
         check_number("warm_start.steps", self.steps, low=1, integer=True)
         check_number("warm_start.seq_len", self.seq_len, low=8, integer=True)
-        check_number("warm_start.lr", self.lr, low=0.0, low_inclusive=False)
+        check_number("warm_start.lr", self.lr, low=0.0, low_inclusive=False, **_FINITE)
         check_number("warm_start.warmup", self.warmup, low=0.0, high=1.0)
 
 
@@ -120,21 +130,30 @@ class PretrainConfig:
         "checkpoint) or a .pt state dict; overrides warm_start", None)
 
     def __post_init__(self) -> None:
+        for name in ("experiment", "description", "launch", "text_column", "tokenizer"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(name, getattr(self, name), "a string")
+        if not isinstance(self.init_checkpoint, str | None):
+            raise ConfigError("init_checkpoint", self.init_checkpoint, "a path or null")
         if isinstance(self.warm_start, dict):
             self.warm_start = _from_dict(WarmStart, self.warm_start, "warm_start.")
+        if not isinstance(self.warm_start, WarmStart | None):
+            raise ConfigError("warm_start", self.warm_start, "an object of WarmStart fields or "
+                              "null")
         check_choice("model", self.model, tuple(MODEL_PRESETS))
+        _check_strings("optimizers", self.optimizers)
         for name in self.optimizers:
             check_choice("optimizers", name, OPTIMIZERS)
-        if not self.optimizers:
-            raise ConfigError("optimizers", self.optimizers, "at least one optimizer")
         check_choice("base", self.base, FIRST_ORDER)
+        if not isinstance(self.preconditioner, dict):
+            raise ConfigError("preconditioner", self.preconditioner,
+                              "an object of options per second-order optimizer")
         for name, options in self.preconditioner.items():
             check_choice("preconditioner", name, tuple(o for o in OPTIMIZERS
                                                        if o not in FIRST_ORDER))
             if not isinstance(options, dict):
                 raise ConfigError(f"preconditioner.{name}", options, "an object of options")
-        if not self.corpus:
-            raise ConfigError("corpus", self.corpus, "'builtin', files or a dataset name")
+        _check_strings("corpus", self.corpus)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("schedule", self.schedule, SCHEDULES)
         for name, low in (("vocab_size", 16), ("seq_len", 8), ("batch_size", 1), ("steps", 1),
@@ -143,13 +162,13 @@ class PretrainConfig:
             check_number(name, getattr(self, name), low=low, integer=True)
         if self.micro_batch_size is not None:
             check_number("micro_batch_size", self.micro_batch_size, low=1, integer=True)
-        check_number("lr", self.lr, low=0.0, low_inclusive=False)
+        check_number("lr", self.lr, low=0.0, low_inclusive=False, **_FINITE)
         for name in ("warmup", "dropout", "eval_fraction"):
             check_number(name, getattr(self, name), low=0.0, high=1.0)
         check_number("mlm_probability", self.mlm_probability, low=0.0, high=1.0,
                       low_inclusive=False)
-        check_number("poly_power", self.poly_power, low=0.0, low_inclusive=False)
-        check_number("weight_decay", self.weight_decay, low=0.0)
+        check_number("poly_power", self.poly_power, low=0.0, low_inclusive=False, **_FINITE)
+        check_number("weight_decay", self.weight_decay, low=0.0, **_FINITE)
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per process per step; ``batch_size`` must split evenly.
@@ -186,7 +205,7 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     """A config file by path, or by name in :data:`CONFIG_DIR` (``default`` -> default.json).
 
     Raises:
-        FileNotFoundError: neither exists; the message lists the shipped configs.
+        ConfigError: neither exists; the message lists the shipped configs.
     """
     path = Path(name_or_path)
     if path.is_file():
@@ -195,21 +214,23 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     if shipped.is_file():
         return shipped
     names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
-    raise FileNotFoundError(f"config {name_or_path} not found (shipped configs: {names})")
+    raise ConfigError("config", str(name_or_path), f"a JSON file or a shipped config: {names}")
 
 
 def load_config(name_or_path: str | Path) -> PretrainConfig:
     """Read and validate a JSON experiment file.
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ConfigError: an unknown or invalid field (named, with the file).
+        ConfigError: no such file, not a JSON object, or an unknown or invalid field (named,
+            with the file).
     """
     path = resolve_config_path(name_or_path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ConfigError(str(path), f"line {exc.lineno}", f"valid JSON ({exc.msg})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), data, "a JSON object of PretrainConfig fields")
     try:
         return _from_dict(PretrainConfig, data)
     except ConfigError as exc:
@@ -238,6 +259,8 @@ def apply_overrides(config: PretrainConfig, overrides: dict[str, Any]) -> Pretra
             if node.get(key) is None:
                 node[key] = {}
             node = node[key]
+            if not isinstance(node, dict):
+                raise ConfigError(dotted, value, f"a config field ({key} has no fields)")
         if not parents and leaf not in data:
             raise ConfigError(dotted, value, "a config field (see --help)")
         node[leaf] = value
@@ -249,11 +272,11 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     else as a string.
 
     Raises:
-        ValueError: no ``=``.
+        ConfigError: no ``=`` or no key (named as the ``--set`` option).
     """
     key, sep, raw = text.partition("=")
     if not sep or not key:
-        raise ValueError(f"expected KEY=VALUE, got {text!r}")
+        raise ConfigError("--set", text, "KEY=VALUE with a JSON value, e.g. lr=0.001")
     try:
         return key.strip(), json.loads(raw)
     except json.JSONDecodeError:

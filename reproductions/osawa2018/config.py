@@ -31,6 +31,38 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 DATASETS = ("fashion-mnist", "image-folder")
 OPTIMIZERS = ("kfac", "sgd")
 BN_CHOICES = (*BN_FISHER_MODES, "none")
+MAX_SEED = 2**63 - 1
+"""The largest seed torch's generators accept (with the rank added)."""
+
+_FINITE = {"high": math.inf, "high_inclusive": False}
+
+
+def _is_real(value: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _check_erasing_area(area: Any) -> None:
+    """``[low, high]`` fractions of the image area with ``0 < low <= high <= 1``."""
+    if (not isinstance(area, list | tuple) or len(area) != 2 or not all(map(_is_real, area))
+            or not 0.0 < area[0] <= area[1] <= 1.0):
+        raise ConfigError("erasing_area", area, "[low, high] with 0 < low <= high <= 1")
+
+
+def _check_intervals(intervals: Any) -> None:
+    """``[[epoch, interval], ...]``: epochs from 0, increasing; intervals integers >= 1."""
+    allowed = ("a non-empty list of [epoch, interval] pairs, epochs increasing from 0, "
+               "intervals integers >= 1")
+    if (not isinstance(intervals, list) or not intervals
+            or any(not isinstance(p, list | tuple) or len(p) != 2 for p in intervals)):
+        raise ConfigError("factor_update_intervals", intervals, allowed)
+    epochs = [epoch for epoch, _ in intervals]
+    steps = [interval for _, interval in intervals]
+    if (not all(map(_is_real, epochs)) or epochs[0] != 0
+            or any(later <= earlier for earlier, later in zip(epochs, epochs[1:], strict=False))
+            or any(not isinstance(i, int) or isinstance(i, bool) or i < 1 for i in steps)):
+        raise ConfigError("factor_update_intervals", intervals, allowed)
 
 
 @dataclass(kw_only=True)
@@ -116,35 +148,45 @@ class OsawaConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("name", "source"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(name, getattr(self, name), "a string")
+        if not self.name or self.name in (".", "..") or "/" in self.name or "\0" in self.name:
+            raise ConfigError("name", self.name, "a non-empty name usable as a directory name")
         check_choice("data", self.data, DATASETS)
         check_choice("model", self.model, MODELS)
+        if self.model == "resnet50" and self.data == "fashion-mnist":
+            raise ConfigError("model", self.model, "'small_resnet' for data 'fashion-mnist' "
+                              "(resnet50 takes 3-channel images)")
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("bn_fisher", self.bn_fisher, BN_CHOICES)
         check_choice("strategy", self.strategy, STRATEGIES)
         check_choice("assignment", self.assignment, ASSIGNMENT_POLICIES)
         for name in ("width", "image_size", "batch_size", "micro_batch_size", "eval_batch_size"):
             check_number(name, getattr(self, name), low=1, integer=True)
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError("batch_size", self.batch_size,
+                              f"a multiple of micro_batch_size={self.micro_batch_size}")
         check_number("num_workers", self.num_workers, low=0, integer=True)
-        check_number("seed", self.seed, low=0, integer=True)
+        check_number("seed", self.seed, low=0, high=MAX_SEED, integer=True)
         for name in ("epochs", "eval_every_epochs", "damping", "bn_damping_scale"):
-            check_number(name, getattr(self, name), low=0.0, low_inclusive=False)
+            check_number(name, getattr(self, name), low=0.0, low_inclusive=False, **_FINITE)
         for name in ("lr", "lr_decay_start_epoch", "lr_power", "weight_decay", "mixup_alpha"):
-            check_number(name, getattr(self, name), low=0.0)
+            check_number(name, getattr(self, name), low=0.0, **_FINITE)
         check_number("lr_decay_end_epoch", self.lr_decay_end_epoch, low=self.lr_decay_start_epoch,
-                     low_inclusive=False)
+                     low_inclusive=False, **_FINITE)
         check_number("momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)
         check_number("factor_decay", self.factor_decay, low=0.0, high=1.0, high_inclusive=False)
         check_number("erasing_rate", self.erasing_rate, low=0.0, high=1.0)
+        check_number("erasing_min_aspect", self.erasing_min_aspect, low=0.0, high=1.0,
+                     low_inclusive=False)
         if self.target_accuracy is not None:
             check_number("target_accuracy", self.target_accuracy, low=0.0, high=1.0)
         for name in ("adjust_momentum", "weight_rescaling", "running_mixup"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, getattr(self, name), "true or false")
-        intervals = self.factor_update_intervals
-        if (not isinstance(intervals, list) or not intervals
-                or any(not isinstance(p, list | tuple) or len(p) != 2 for p in intervals)):
-            raise ConfigError("factor_update_intervals", intervals,
-                              "a non-empty list of [epoch, interval] pairs")
+        _check_erasing_area(self.erasing_area)
+        _check_intervals(self.factor_update_intervals)
 
     @property
     def effective_damping(self) -> float:
@@ -181,13 +223,22 @@ def load_config(path: Path | str, overrides: dict[str, Any] | None = None) -> Os
     """Read a config file (a path, or a name in ``configs/`` without ``.json``) plus overrides.
 
     Raises:
-        FileNotFoundError: no such file.
-        ConfigError: an unknown key or an invalid value, naming it.
+        ConfigError: no such file, a file that is not a JSON object, an unknown key or an
+            invalid value, naming it.
     """
     path = Path(path)
     if not path.exists() and (CONFIG_DIR / f"{path}.json").exists():
         path = CONFIG_DIR / f"{path}.json"
-    values = json.loads(path.read_text())
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.json")))
+    try:
+        values = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError("config", str(path), f"a readable JSON file or one of {names} "
+                          f"({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("config", str(path), f"a JSON file ({exc})") from None
+    if not isinstance(values, dict):
+        raise ConfigError("config", str(path), "a JSON object of OsawaConfig fields")
     values.update(overrides or {})
     known = {f.name for f in fields(OsawaConfig)}
     for key in values:
@@ -200,11 +251,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     """``key=value`` with a JSON value (bare words are strings): ``lr=0.1``, ``bn_fisher=none``.
 
     Raises:
-        ValueError: ``text`` has no ``=``.
+        ConfigError: ``text`` has no ``=`` (named as the ``--set`` option).
     """
     key, sep, raw = text.partition("=")
     if not sep:
-        raise ValueError(f"override {text!r} is not key=value")
+        raise ConfigError("--set", text, "KEY=VALUE with a JSON value, e.g. lr=0.1")
     try:
         return key.strip(), json.loads(raw)
     except json.JSONDecodeError:

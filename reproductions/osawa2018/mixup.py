@@ -13,8 +13,9 @@ What ``ResNet50._mixup`` in chainerkfac's ``examples/imagenet/models/resnet50_d.
   place on the same array after mixing, so the remembered batch is also the erased one; pass
   the erasing step as ``transform`` to reproduce that. Without ``running``, the partner is the
   previous raw batch and its one-hot labels.
-* The first batch (and any batch whose shape differs from the remembered one, e.g. after a resume)
-  is used unmixed with one-hot targets.
+* The first batch (and any batch whose shape differs from the remembered one, e.g. the last
+  partial batch) is used unmixed with one-hot targets. The remembered batch is part of
+  :meth:`RunningMixup.state_dict`, so a resumed run mixes its first batch as the original did.
 
 The loss is the cross-entropy with the soft targets (``F.cross_entropy`` accepts probabilities);
 accuracy is measured against the original labels. Random numbers come from torch's global
@@ -77,3 +78,13 @@ class RunningMixup:
             mixed = transform(mixed)
         self.previous = (mixed, targets) if self.running else (x, onehot)
         return mixed, targets
+
+    def state_dict(self) -> dict[str, Tensor | None]:
+        """The remembered batch: ``{"inputs": Tensor | None, "targets": Tensor | None}``."""
+        inputs, targets = self.previous if self.previous is not None else (None, None)
+        return {"inputs": inputs, "targets": targets}
+
+    def load_state_dict(self, state: dict[str, Tensor | None]) -> None:
+        """Remember the batch of a :meth:`state_dict` (None entries: nothing remembered)."""
+        inputs, targets = state["inputs"], state["targets"]
+        self.previous = None if inputs is None or targets is None else (inputs, targets)

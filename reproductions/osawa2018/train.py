@@ -11,6 +11,9 @@ Examples::
         --config imagenet_bs32k --image-folder /data/imagenet --out runs/bs32k
     # continue an interrupted run from its newest checkpoint
     python -m reproductions.osawa2018.train --out runs/default --resume
+    # survive a failed worker: torchrun restarts the group, which resumes from its checkpoints
+    torchrun --nproc_per_node 8 --max-restarts 3 ... -m reproductions.osawa2018.train \\
+        --out runs/bs32k --checkpoint-every 100
 
 Each run writes ``<out>/results.json`` (schema ``kfac-repro/results/v1``, rewritten at every
 evaluation), per-rank checkpoints under ``<out>/checkpoints/rank-<r>/`` and a W&B run under
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +36,13 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
+from core.config import ConfigError
 from core.distributed import DistributedStrategy
 from data.fashion_mnist import fashion_mnist
 from data.image_folder import image_folder
 from data.paths import add_data_dir_argument
-from reproductions.common.checkpoint import checkpoint_path, list_checkpoints, save_checkpoint
+from reproductions.common.checkpoint import load_agreed_checkpoint, save_checkpoint
+from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import DistContext, cleanup, init_distributed, seed_everything
 from reproductions.common.results import RunRecorder
 from reproductions.common.rng import capture_rng_state, restore_rng_state
@@ -63,12 +69,14 @@ def load_data(config: OsawaConfig, data_dir: str | None, folder: str | None) -> 
     """Fashion-MNIST (cached under ``data_dir``) or an ImageNet-style folder.
 
     Raises:
-        ValueError: ``image-folder`` data without a folder.
+        ConfigError: ``image-folder`` data without a folder.
+        DataUnavailableError: the data is not there (the message says how to get it).
     """
     if config.data == "fashion-mnist":
         return TrainingData(fashion_mnist(True, data_dir), fashion_mnist(False, data_dir), 10, 1)
     if folder is None:
-        raise ValueError("data 'image-folder' needs --image-folder DIR (train/ and val/ inside)")
+        raise ConfigError("--image-folder", None,
+                          "a folder with train/ and val/ inside for data 'image-folder'")
     train = image_folder(Path(folder), True, config.image_size)
     return TrainingData(train, image_folder(Path(folder), False, config.image_size),
                         len(train.classes), 3)
@@ -94,22 +102,6 @@ def summarize(config: OsawaConfig, evals: list[dict[str, Any]], steps: list[dict
     }
 
 
-def _load_agreed_checkpoint(directory: Path, device: torch.device) -> dict[str, Any] | None:
-    """This rank's checkpoint of the newest step every rank has saved (None: start afresh).
-
-    Ranks save one after the other, so a crash can leave the newest step on some ranks only;
-    all ranks then resume from the newest step they all have.
-    """
-    steps = [int(p.stem.split("-")[1]) for p in list_checkpoints(directory)]
-    newest = torch.tensor([steps[-1] if steps else -1], device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(newest, op=dist.ReduceOp.MIN)
-    step = int(newest)
-    if step < 0:
-        return None
-    return torch.load(checkpoint_path(directory, step), map_location=device, weights_only=True)
-
-
 def _test_loader(data: TrainingData, config: OsawaConfig, ctx: DistContext) -> DataLoader:
     """This rank's strided shard of the test split (every example counted exactly once)."""
     shard = Subset(data.test, range(ctx.rank, len(data.test), ctx.world_size))
@@ -127,7 +119,8 @@ def _ledger(trainer: OsawaTrainer) -> dict[str, Any] | None:
 
 def run(config: OsawaConfig, *, out: Path, data_dir: str | None = None,
         folder: str | None = None, resume: bool = False, max_steps: int | None = None,
-        wandb: str = "auto", progress: bool = True) -> dict[str, Any] | None:
+        checkpoint_every: int | None = None, wandb: str = "auto", progress: bool = True
+        ) -> dict[str, Any] | None:
     """Train one configuration.
 
     Args:
@@ -135,8 +128,10 @@ def run(config: OsawaConfig, *, out: Path, data_dir: str | None = None,
         out: Output directory (results, checkpoints, W&B files).
         data_dir: Cache directory of the built-in data.
         folder: ImageNet-style folder for ``data: image-folder``.
-        resume: Continue from the newest checkpoint in ``out`` (a fresh start if there is none).
+        resume: Continue from the newest checkpoint in ``out`` (a fresh start if there is none);
+            implied when ``torchrun`` restarts the worker group after a failure.
         max_steps: Stop after this many updates (the run is then unfinished and resumable).
+        checkpoint_every: Also checkpoint every this many updates (None: only at evaluations).
         wandb: W&B mode (``auto``, ``online``, ``offline``, ``disabled``).
         progress: Show a progress bar on rank 0.
 
@@ -145,15 +140,16 @@ def run(config: OsawaConfig, *, out: Path, data_dir: str | None = None,
     """
     ctx = init_distributed()
     try:
-        return _run(config, ctx, out=Path(out), data_dir=data_dir, folder=folder, resume=resume,
-                    max_steps=max_steps, wandb=wandb, progress=progress)
+        return _run(config, ctx, out=Path(out), data_dir=data_dir, folder=folder,
+                    resume=resume or ctx.restarts > 0, max_steps=max_steps,
+                    checkpoint_every=checkpoint_every, wandb=wandb, progress=progress)
     finally:
         cleanup()
 
 
 def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | None,
-         folder: str | None, resume: bool, max_steps: int | None, wandb: str,
-         progress: bool) -> dict[str, Any] | None:
+         folder: str | None, resume: bool, max_steps: int | None,
+         checkpoint_every: int | None, wandb: str, progress: bool) -> dict[str, Any] | None:
     seed_everything(config.seed + ctx.rank)
     data = load_data(config, data_dir, folder)
     size = len(data.train)
@@ -164,11 +160,15 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
                            config=config.to_dict(), world_size=ctx.world_size,
                            device=ctx.device)
     wandb_id = None
-    state = _load_agreed_checkpoint(checkpoints, ctx.device) if resume else None
+    state = load_agreed_checkpoint(checkpoints, ctx.device) if resume else None
     if state is not None:
         trainer.load_state_dict(state["trainer"])
         recorder = RunRecorder.from_data(json.loads(state["results"]))
         wandb_id = state["wandb_id"]
+        if ctx.is_main:
+            restart = f"restart {ctx.restarts}: " if ctx.restarts else ""
+            tqdm.write(f"{restart}resuming from the checkpoint of step {trainer.step}",
+                       file=sys.stderr)
     tracker = Tracker(paper=PAPER, experiment=config.name, optimizer=config.optimizer,
                       seed=config.seed, config=config.to_dict(), directory=out, mode=wandb,
                       run_id=wandb_id, enabled=ctx.is_main)
@@ -195,7 +195,8 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
         tracker.log({**metrics, **trainer.metrics(), "epoch": trainer.epoch}, step=trainer.step)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}")
-        if trainer.epoch >= next_eval - 1e-9 or trainer.step == stop:
+        evaluate = trainer.epoch >= next_eval - 1e-9 or trainer.step == stop
+        if evaluate:
             result = trainer.evaluate(test_loader)
             recorder.log_eval(trainer.step, epoch=trainer.epoch, **result)
             tracker.log({**result, "epoch": trainer.epoch}, step=trainer.step)
@@ -209,20 +210,22 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
                             memory=trainer.kfac.memory_usage() if trainer.kfac else {})
             if trainer.step == total:
                 recorder.finish()
+        if evaluate or (checkpoint_every is not None and trainer.step % checkpoint_every == 0):
             save_checkpoint(checkpoints, trainer.step, {
                 "trainer": trainer.state_dict(), "rng": capture_rng_state(),
                 "results": json.dumps(recorder.data), "wandb_id": tracker.id})
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
-            if ctx.is_main:
-                recorder.write(out / "results.json")
-                tracker.summary(summary)
+        if evaluate and ctx.is_main:
+            recorder.write(out / "results.json")
+            tracker.summary(recorder.data["summary"])
     bar.close()
     tracker.finish()
     return recorder.data if ctx.is_main else None
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line (``--help``); a configuration or data error exits with one line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="fmnist_default",
@@ -235,16 +238,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="ImageNet-style folder (train/<class>/…, val/<class>/…)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest checkpoint in --out")
-    parser.add_argument("--max-steps", type=int, default=None,
+    parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this many updates (resumable)")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
+                        help="also checkpoint every STEPS updates (default: at evaluations only)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_dir_argument(parser)
     add_wandb_argument(parser)
     args = parser.parse_args(argv)
-    config = load_config(args.config, dict(parse_override(s) for s in args.set))
-    out = Path(args.out or Path("runs") / PAPER / config.name)
-    run(config, out=out, data_dir=args.data_dir, folder=args.image_folder, resume=args.resume,
-        max_steps=args.max_steps, wandb=args.wandb, progress=not args.no_progress)
+    with exit_on_user_error(parser):
+        config = load_config(args.config, dict(parse_override(s) for s in args.set))
+        out = Path(args.out or Path("runs") / PAPER / config.name)
+        run(config, out=out, data_dir=args.data_dir, folder=args.image_folder,
+            resume=args.resume, max_steps=args.max_steps,
+            checkpoint_every=args.checkpoint_every, wandb=args.wandb,
+            progress=not args.no_progress)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,16 @@ micro-batch); L2 term added to the Conv/Linear gradients; K-FAC (``kfc`` factors
 damping split, Cholesky, ``λ = max(λ, wd)``, no KL clip, factors of the current batch only,
 relaxed update intervals, the configured distribution strategy) on Conv/Linear layers and the
 Fisher block of BatchNorm; heavy-ball momentum with momentum adjustment; weight rescaling.
+
+An update whose gradients are not finite (a NaN or Inf activation, a diverged loss) is skipped:
+the preconditioners discard what they captured, the optimizer does not step, and the BatchNorm
+statistics and the mixup memory go back to what they were before it; the step is counted
+(``skipped_steps``) and reported, and training continues with the next batch.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -53,7 +59,8 @@ class OsawaTrainer:
         world_size: Processes in the run (DDP when > 1).
 
     Attributes:
-        step: Updates done so far.
+        step: Updates done so far (skipped ones included).
+        skipped_steps: Updates skipped for non-finite gradients.
         accumulation_steps: Micro-batches per update on this process.
     """
 
@@ -97,6 +104,7 @@ class OsawaTrainer:
                                       config.erasing_min_aspect)
                         if config.erasing_rate > 0 else None)
         self.step = 0
+        self.skipped_steps = 0
 
     @property
     def epoch(self) -> float:
@@ -114,7 +122,7 @@ class OsawaTrainer:
         return (x if self.erasing is None else self.erasing(x)), labels
 
     def train_step(self, micro_batches: list[tuple[Tensor, Tensor]]) -> dict[str, float]:
-        """One update from this process's micro-batches.
+        """One update from this process's micro-batches (skipped if the gradients are not finite).
 
         Returns:
             ``loss`` and ``train_accuracy`` over the global batch, ``lr`` and the ``momentum``
@@ -128,6 +136,8 @@ class OsawaTrainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         self.net.train()
+        buffers = [b.clone() for b in self.model.buffers()]
+        remembered = None if self.mixup is None else self.mixup.previous
         loss_sum, correct, count = 0.0, 0.0, 0.0
         for index, (x, labels) in enumerate(micro_batches):
             x, labels = x.to(self.device), labels.to(self.device)
@@ -141,18 +151,35 @@ class OsawaTrainer:
             loss_sum += float(loss.detach()) * len(labels)
             correct += float((logits.argmax(1) == labels).sum())
             count += len(labels)
+        finite = self.gradients_finite()
         add_weight_decay(self.weights, self.config.weight_decay)
         if self.kfac is not None:
             self.kfac.step()
         if self.bn is not None:
             self.bn.step()
-        self.optimizer.step()
-        if self.config.weight_rescaling:
-            rescale_weights(self.weights)
+        if finite:
+            self.optimizer.step()
+            if self.config.weight_rescaling:
+                rescale_weights(self.weights)
+        else:
+            with torch.no_grad():
+                for buffer, before in zip(self.model.buffers(), buffers, strict=True):
+                    buffer.copy_(before)
+            if self.mixup is not None:
+                self.mixup.previous = remembered
+            self.skipped_steps += 1
+            warnings.warn(f"step {self.step + 1}: non-finite gradients, update skipped "
+                          f"({self.skipped_steps} so far)", RuntimeWarning, stacklevel=2)
         self.step += 1
         loss_sum, correct, count = all_reduce_sums([loss_sum, correct, count], self.device)
         return {"loss": loss_sum / count, "train_accuracy": correct / count, "lr": lr,
                 "momentum": float(self.optimizer.param_groups[0]["last_momentum"])}
+
+    def gradients_finite(self) -> bool:
+        """Whether every gradient is finite (the same answer on every rank once DDP reduced them).
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return not grads or bool(torch.stack([g.isfinite().all() for g in grads]).all())
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> dict[str, float]:
@@ -170,8 +197,9 @@ class OsawaTrainer:
         return {"test_loss": loss_sum / count, "test_accuracy": correct / count}
 
     def metrics(self) -> dict[str, float]:
-        """The preconditioners' per-step metrics (stage times, damping, failures)."""
-        out: dict[str, float] = {}
+        """Skipped updates and the preconditioners' per-step metrics (stage times, damping,
+        failures)."""
+        out: dict[str, float] = {"skipped_steps": float(self.skipped_steps)}
         if self.kfac is not None:
             out.update({f"kfac/{k}": v for k, v in self.kfac.metrics().items()})
         if self.bn is not None:
@@ -179,13 +207,15 @@ class OsawaTrainer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and preconditioner states and the step (this rank's view)."""
+        """Model, optimizer, preconditioner and mixup states and the step (this rank's view)."""
         return {
             "step": self.step,
+            "skipped_steps": self.skipped_steps,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "kfac": None if self.kfac is None else self.kfac.state_dict(),
             "bn": None if self.bn is None else self.bn.state_dict(),
+            "mixup": None if self.mixup is None else self.mixup.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -196,4 +226,7 @@ class OsawaTrainer:
             self.kfac.load_state_dict(state["kfac"])
         if self.bn is not None:
             self.bn.load_state_dict(state["bn"])
+        if self.mixup is not None:
+            self.mixup.load_state_dict(state["mixup"])
         self.step = int(state["step"])
+        self.skipped_steps = int(state["skipped_steps"])

@@ -72,7 +72,7 @@ def test_accumulation_must_divide() -> None:
 
 
 def test_file_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="default"):
+    with pytest.raises(ConfigError, match="no-such-experiment.*default"):
         load_config("no-such-experiment")
     broken = tmp_path / "broken.json"
     broken.write_text('{"steps": 3,')

@@ -73,7 +73,7 @@ def test_every_recipe_switch_can_be_turned_off(tmp_path: Path, optimizer: str) -
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
-    config = load_config("fmnist_default", {**TINY, "mixup_alpha": 0})  # erasing stays on
+    config = load_config("fmnist_default", TINY)  # running mixup and erasing on
     straight = run(config, out=tmp_path / "a", max_steps=3, wandb="disabled", progress=False)
     run(config, out=tmp_path / "b", max_steps=2, wandb="disabled", progress=False)
     resumed = run(config, out=tmp_path / "b", max_steps=3, resume=True, wandb="disabled",
