@@ -9,6 +9,7 @@ the Debian files are missing and the network works does this fall back to torchv
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -58,16 +59,23 @@ def fashion_mnist(train: bool, root: str | Path | None = None) -> TensorDataset:
 
     Raises:
         DataUnavailableError: The IDX files are not installed and cannot be downloaded.
-        CorruptDataError: A source file is damaged or has the wrong shape.
+        CorruptDataError: A source file or the cache is damaged or has the wrong shape.
     """
     cache = data_root(root) / "fashion-mnist" / f"{'train' if train else 'test'}.pt"
     if not cache.exists():
         images, labels = _read_split(train, cache.parent)
         with atomic_path(cache) as tmp:
             torch.save({"images": images, "labels": labels}, tmp)
-    blob = torch.load(cache, weights_only=True)
-    images = blob["images"].to(torch.float32).div_(255.0).sub_(MEAN).div_(STD).unsqueeze(1)
-    return TensorDataset(images, blob["labels"])
+    try:
+        blob = torch.load(cache, weights_only=True)
+        images, labels = blob["images"], blob["labels"]
+    except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as exc:
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CorruptDataError(cache, f"is not a readable Fashion-MNIST cache ({first_line})",
+                               f"delete {cache}; the next load rebuilds it from the IDX files"
+                               ) from None
+    images = images.to(torch.float32).div_(255.0).sub_(MEAN).div_(STD).unsqueeze(1)
+    return TensorDataset(images, labels)
 
 
 def _read_split(train: bool, cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:

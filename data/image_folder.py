@@ -14,7 +14,7 @@ import numpy as np
 from PIL import Image
 from torchvision import datasets, transforms
 
-from data.errors import DataUnavailableError
+from data.errors import CorruptDataError, DataUnavailableError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -24,8 +24,8 @@ RESIZE_RATIO = 256 / 224
 """Evaluation resizes the short side to this multiple of the crop size (256 for 224 crops)."""
 
 FOLDER_FIX = (
-    "point --data-dir at a folder laid out as train/<class>/<images> and val/<class>/<images> "
-    "(see data/README.md, 'Full-size data')"
+    "pass a folder laid out as train/<class>/<images> and val/<class>/<images> (the "
+    "--image-folder option of reproductions.osawa2018.train; see data/README.md, 'Full-size data')"
 )
 
 
@@ -44,7 +44,11 @@ def image_folder(root: Path, train: bool, image_size: int) -> datasets.ImageFold
         The dataset; its ``classes`` are the sorted class-folder names.
 
     Raises:
-        DataUnavailableError: ``root`` or the split is missing, or the split has no class folders.
+        DataUnavailableError: ``root`` or the split is missing, or the split has no class folders,
+            or a class folder has no images.
+
+    Reading an example raises :class:`~data.errors.CorruptDataError` naming the file when it is
+    not a readable image (truncated, empty, not an image at all).
     """
     split = Path(root) / ("train" if train else "val")
     if not Path(root).is_dir():
@@ -59,9 +63,29 @@ def image_folder(root: Path, train: bool, image_size: int) -> datasets.ImageFold
     else:
         resized = round(image_size * RESIZE_RATIO)
         pipeline = [transforms.Resize(resized), transforms.CenterCrop(image_size)]
-    return datasets.ImageFolder(
-        str(split), transform=transforms.Compose([*pipeline, transforms.ToTensor(), normalize])
-    )
+    try:
+        return datasets.ImageFolder(
+            str(split),
+            transform=transforms.Compose([*pipeline, transforms.ToTensor(), normalize]),
+            loader=load_rgb,
+        )
+    except FileNotFoundError as exc:  # torchvision: a class folder without image files
+        raise DataUnavailableError(f"images in every class folder of {split} ({exc})",
+                                   FOLDER_FIX) from None
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Read an image file as RGB, as torchvision's default loader does.
+
+    Raises:
+        CorruptDataError: the file is not a readable image (named, with the fix).
+    """
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError: OSError
+        raise CorruptDataError(Path(path), f"is not a readable image ({exc})",
+                               "replace the file with a good copy or delete it") from None
 
 
 def make_tiny_image_folder(

@@ -20,7 +20,7 @@ from tokenizers import BertWordPieceTokenizer
 from transformers import BertTokenizerFast
 
 from data.atomic import atomic_directory, atomic_path
-from data.errors import DataUnavailableError
+from data.errors import CorruptDataError, DataUnavailableError
 from data.paths import data_root
 
 PYTHON_DOC_SOURCES = Path("/usr/share/doc/python3.11/html/_sources")
@@ -42,6 +42,11 @@ DEFAULT_VOCAB_SIZE = 8000
 
 WORDPIECE_MIN_FREQUENCY = 2
 """Minimum count of a merge candidate when training the WordPiece vocabulary."""
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+"""The tokens every BERT vocabulary holds (a vocabulary without them cannot tokenise)."""
+
+REBUILD_FIX = "delete it and run `make data` (or `python -m data.prepare --only text`) again"
 
 _ADORNMENT = re.compile(r"^([!-/:-@\[-`{-~])\1{2,}$")
 _VERSE_REFERENCE = re.compile(r"^\S*\d+:\d+\s+")
@@ -68,9 +73,12 @@ def english_corpus(
 
     Raises:
         DataUnavailableError: The manual's sources or the ``bible`` program are missing or fail.
+        CorruptDataError: The cached corpus is empty.
     """
     final = data_root(root) / "text" / CORPUS_NAME
     if final.exists():
+        if final.stat().st_size == 0:
+            raise CorruptDataError(final, "is empty", REBUILD_FIX)
         return final
     doc_files = sorted(doc_sources.rglob("*.txt")) if doc_sources.is_dir() else []
     if not doc_files:
@@ -164,10 +172,19 @@ def wordpiece_vocab(corpus: Path, vocab_size: int, root: str | Path | None = Non
 
     Raises:
         ValueError: ``vocab_size`` is smaller than the five BERT special tokens.
+        DataUnavailableError: ``corpus`` does not exist.
+        CorruptDataError: ``corpus`` holds no text.
     """
     if vocab_size < 5:
         raise ValueError(f"vocab_size must be at least 5 (the special tokens), got {vocab_size}")
-    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
+    if not corpus.is_file():
+        raise DataUnavailableError(f"text corpus {corpus}",
+                                   "run `make data` for the built-in corpus, or pass a text file")
+    text = corpus.read_bytes()
+    if not text.strip():
+        raise CorruptDataError(corpus, "holds no text", "pass a UTF-8 text file with one "
+                               "paragraph per line, or " + REBUILD_FIX + " for the built-in one")
+    digest = hashlib.sha256(text).hexdigest()[:16]
     final = data_root(root) / "tokenizers" / f"wordpiece-{digest}-{vocab_size}"
     if (final / "vocab.txt").is_file():
         return final
@@ -198,12 +215,17 @@ def bert_tokenizer(vocab_dir: Path, model_max_length: int = 512) -> BertTokenize
 
     Raises:
         DataUnavailableError: ``vocab_dir/vocab.txt`` does not exist.
+        CorruptDataError: ``vocab.txt`` lacks a BERT special token (e.g. it is empty).
     """
     vocab = vocab_dir / "vocab.txt"
+    fix = "run `make data` or data.text_corpus.wordpiece_vocab()"
     if not vocab.is_file():
-        raise DataUnavailableError(
-            f"WordPiece vocabulary {vocab}", "run `make data` or data.text_corpus.wordpiece_vocab()"
-        )
+        raise DataUnavailableError(f"WordPiece vocabulary {vocab}", fix)
+    tokens = set(vocab.read_text(encoding="utf-8", errors="replace").split())
+    missing = [token for token in SPECIAL_TOKENS if token not in tokens]
+    if missing:
+        raise CorruptDataError(vocab, f"lacks the special tokens {', '.join(missing)}",
+                               f"delete {vocab_dir} and {fix}")
     return BertTokenizerFast.from_pretrained(
         str(vocab_dir),
         do_lower_case=True,

@@ -37,6 +37,10 @@ from reproductions.common.scrub import scrub_secrets
 SCHEMA = "kfac-repro/results/v1"
 """The ``schema`` field's value; changes whenever a field's meaning changes."""
 
+RESULTS_FIX = ("restore the file from git (`git checkout -- <file>`) or rerun the run that "
+               "writes it (the reproduction's README gives the command)")
+"""How to get a good results file back, in the messages of :func:`load_results`."""
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 _REQUIRED_STEP_FIELDS = ("step", "loss", "time_s")
@@ -202,21 +206,24 @@ def load_results(path: Path) -> dict[str, Any]:
         The parsed results.
 
     Raises:
-        ResultsError: the file is missing, not JSON, or not in the schema; the message starts
-            with the path.
+        ResultsError: the file is missing, empty, not JSON, or not in the schema; the message
+            starts with the path and ends with the fix.
     """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ResultsError(f"{path}: no such results file") from None
-    except OSError as exc:
-        raise ResultsError(f"{path}: cannot be read ({exc})") from None
+        raise ResultsError(f"{path}: no such results file. Fix: {RESULTS_FIX}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ResultsError(f"{path}: cannot be read ({exc}). Fix: {RESULTS_FIX}") from None
+    if not text.strip():
+        raise ResultsError(f"{path}: the results file is empty. Fix: {RESULTS_FIX}")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ResultsError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                           f"{exc.msg}); the file is truncated or corrupt") from None
+                           f"{exc.msg}); the file is truncated or corrupt. Fix: "
+                           f"{RESULTS_FIX}") from None
     try:
         validate_results(data)
     except ResultsError as exc:

@@ -1,6 +1,7 @@
 """Keep credentials out of configs, logs, results and dashboards.
 
-Two rules, applied together by :func:`scrub_secrets`:
+Two rules, applied together by :func:`scrub_secrets` (and to command lines by
+:func:`scrub_argv`):
 
 * **by name**: a mapping entry whose key has a word ``key``, ``apikey``, ``token``, ``secret``,
   ``password`` or ``passwd`` (``WANDB_API_KEY``, ``hf_token``, ``apiKey``; not ``tokenizer`` or
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 REDACTED = "<redacted>"
@@ -80,3 +81,34 @@ def scrub_secrets(value: Any, *, by_name: bool = True,
         return item
 
     return walk(value)
+
+
+def scrub_argv(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
+    """A copy of a command line with credentials redacted.
+
+    Secret values from the environment are replaced wherever they appear (by value); the value
+    of a ``NAME=VALUE`` or ``--NAME=VALUE`` word, and the word after a ``--NAME`` option, are
+    replaced when ``NAME`` is secret-named (``--set api_key=...``, ``--hf-token ...``).
+
+    Args:
+        argv: The words of the command line (e.g. ``sys.argv``).
+        environ: The environment whose secret values are searched for; ``os.environ`` if None.
+
+    Returns:
+        The scrubbed words.
+    """
+    clean: list[str] = []
+    redact_next = False
+    for word in scrub_secrets(list(argv), by_name=False, environ=environ):
+        if redact_next:
+            clean.append(REDACTED)
+            redact_next = False
+            continue
+        option = word.startswith("-")
+        name, sep, _ = word.lstrip("-").partition("=")
+        if sep and is_secret_name(name):
+            clean.append(word[:len(word) - len(word.lstrip("-"))] + f"{name}={REDACTED}")
+            continue
+        redact_next = option and not sep and is_secret_name(name)
+        clean.append(word)
+    return clean

@@ -5,8 +5,9 @@ optimizers sit side by side), and is named ``<experiment>-<optimizer>-<seed>``. 
 ``online`` only when the user is logged in (``WANDB_API_KEY`` is set or ``~/.netrc`` has an
 entry for ``api.wandb.ai``) and ``WANDB_MODE`` does not say offline/disabled; otherwise runs are
 written offline under ``<directory>/wandb/offline-run-*`` (upload later with ``wandb sync``) and
-can be read back with :func:`read_offline_history`. Configurations are scrubbed of credentials
-(:mod:`reproductions.common.scrub`) before they leave the process.
+can be read back with :func:`read_offline_history`. Configurations, logged values and the command
+line W&B records are scrubbed of credentials (:mod:`reproductions.common.scrub`) before they leave
+the process.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import json
 import netrc
 import os
 import struct
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from reproductions.common.scrub import scrub_secrets
+from reproductions.common.scrub import scrub_argv, scrub_secrets
 
 MODES = ("auto", "online", "offline", "disabled")
 """Choices of ``--wandb``; ``auto`` resolves with :func:`resolve_mode`."""
@@ -117,12 +119,17 @@ class Tracker:
         self.name = f"{experiment}-{optimizer}-{seed}"
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.run: Any = wandb.init(
-            project=self.project, group=self.group, name=self.name, job_type=optimizer,
-            config=scrub_secrets(dict(config)), mode=self.mode, dir=str(directory), id=run_id,
-            resume="allow" if run_id else None,
-            settings=wandb.Settings(console="off", quiet=True),
-        )
+        argv = sys.argv
+        sys.argv = scrub_argv(argv)  # W&B records the command line in the run's metadata
+        try:
+            self.run: Any = wandb.init(
+                project=self.project, group=self.group, name=self.name, job_type=optimizer,
+                config=scrub_secrets(dict(config)), mode=self.mode, dir=str(directory),
+                id=run_id, resume="allow" if run_id else None,
+                settings=wandb.Settings(console="off", quiet=True),
+            )
+        finally:
+            sys.argv = argv
         self.id: str = self.run.id
 
     @property

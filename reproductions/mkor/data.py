@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
 from core.config import ConfigError
-from data.errors import DataUnavailableError
+from data.errors import CorruptDataError, DataUnavailableError
 from data.paths import data_root
 from data.text_corpus import bert_tokenizer, english_corpus, wordpiece_vocab
 
@@ -108,9 +109,30 @@ def load_corpus(sources: Sequence[str], *, text_column: str = "text",
 
 def _load_local(paths: list[Path], kind: str, text_column: str,
                 data_dir: str | Path | None) -> Dataset:
-    texts = load_dataset(kind, data_files=[str(p) for p in paths], split="train",
-                         cache_dir=_cache_dir(data_dir))
-    return _text_only(texts, "text" if kind == "text" else text_column)
+    """The non-empty texts of local files.
+
+    Raises:
+        CorruptDataError: a file is empty.
+        DataUnavailableError: the files cannot be read (not UTF-8, malformed) or hold no text.
+    """
+    fix = ("pass UTF-8 files with text (one paragraph per line for .txt) to --corpus, or "
+           "--corpus builtin")
+    for path in paths:
+        if path.stat().st_size == 0:
+            raise CorruptDataError(path, "is empty", fix)
+    names = ", ".join(map(str, paths))
+    try:
+        texts = load_dataset(kind, data_files=[str(p) for p in paths], split="train",
+                             cache_dir=_cache_dir(data_dir))
+    except DatasetGenerationError as exc:
+        cause = exc.__cause__ or exc
+        reason = (str(cause).strip().splitlines() or [""])[0]
+        raise DataUnavailableError(f"readable {kind} data in {names} ({type(cause).__name__}: "
+                                   f"{reason})", fix) from None
+    texts = _text_only(texts, "text" if kind == "text" else text_column)
+    if len(texts) == 0:
+        raise DataUnavailableError(f"text in {names}", fix)
+    return texts
 
 
 def _text_only(texts: Dataset, column: str) -> Dataset:

@@ -47,10 +47,11 @@ def set_args(settings: dict[str, Any] = SETTINGS) -> list[str]:
                        for k, v in settings.items())]
 
 
-def train_args(out: Path, folder: Path, *extra: str) -> list[str]:
+def train_args(out: Path, folder: Path, *extra: str,
+               settings: dict[str, Any] = SETTINGS) -> list[str]:
     """Arguments of ``reproductions.osawa2018.train`` for the tiny run into ``out``."""
     return ["--out", str(out), "--image-folder", str(folder), "--checkpoint-every", "1",
-            "--wandb", "disabled", "--no-progress", *set_args(), *extra]
+            "--wandb", "disabled", "--no-progress", *set_args(settings), *extra]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -101,10 +102,11 @@ def newest_step(directory: Path) -> int:
     return checkpoint_step(found[-1]) if found else -1
 
 
-def final_state(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
-    """Model parameters and buffers of ``rank``'s newest checkpoint under ``out``."""
+def final_state(out: Path, rank: int = 0, step: int = STEPS) -> dict[str, torch.Tensor]:
+    """Model parameters and buffers of ``rank``'s newest checkpoint under ``out``, which must
+    be the one of ``step``."""
     newest = list_checkpoints(out / "checkpoints" / f"rank-{rank}")[-1]
-    assert checkpoint_step(newest) == STEPS, f"{newest} is not the end of the run"
+    assert checkpoint_step(newest) == step, f"{newest} is not the checkpoint of step {step}"
     return torch.load(newest, weights_only=True)["trainer"]["model"]
 
 

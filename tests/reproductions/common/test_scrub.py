@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reproductions.common.scrub import REDACTED, is_secret_name, scrub_secrets
+from reproductions.common.scrub import REDACTED, is_secret_name, scrub_argv, scrub_secrets
 
 
 @pytest.mark.parametrize("name", ["WANDB_API_KEY", "hf_token", "apiKey", "secret", "db-password",
@@ -32,3 +32,12 @@ def test_scrubs_by_name_and_by_value() -> None:
 def test_by_value_only_keeps_layer_names() -> None:
     report = {"bert.encoder.layer.0.attention.self.key": 12}
     assert scrub_secrets(report, by_name=False, environ={}) == report
+
+
+def test_command_lines_are_scrubbed_by_value_and_by_option_name() -> None:
+    env = {"HF_TOKEN": "hf_0123456789"}
+    argv = ["train.py", "--set", "lr=0.1", "api_key=abc", "source=see hf_0123456789",
+            "--hf-token", "xyz", "--wandb-key=k", "--tokenizer", "wordpiece"]
+    assert scrub_argv(argv, environ=env) == [
+        "train.py", "--set", "lr=0.1", f"api_key={REDACTED}", f"source=see {REDACTED}",
+        "--hf-token", REDACTED, f"--wandb-key={REDACTED}", "--tokenizer", "wordpiece"]
