@@ -30,10 +30,11 @@ test: setup lint
 	$(OFFLINE_ENV) $(BIN)/python -m pytest -q
 
 # The MKOR reproduction's built-in default: BERT pre-training with LAMB, K-FAC, MKOR, MKOR-H and
-# Eva on the built-in English corpus, ending with the comparison table (~5-10 min on 2 idle cores).
+# Eva on the built-in English corpus, ending with the comparison table (about 9 min on 2 idle
+# cores, estimated). Options go in ARGS, e.g. `make run ARGS="--threads 1"` on a busy machine.
 run: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-		$(BIN)/python -m reproductions.mkor.bert
+		$(BIN)/python -m reproductions.mkor.bert $(ARGS)
 
 # The results site: concept figures and reproduction pages are regenerated from the committed
 # results files, then the site is built into site/ (offline, warnings are errors).

@@ -9,18 +9,14 @@ One run measures, for each workload (model, batch, first-order base optimizer):
   the preconditioner's own stage timer;
 * the second-order work against its lower bound: its FLOP count (or, for memory-bound stages, its
   bytes) at this machine's throughput for the same kernel kind (GEMM, eigh, Cholesky inverse,
-  memory copy), which the run measures first for each workload; a 512³ calibration matmul timed
-  before every step rescales those rates to the machine's speed at that moment, so load that
-  changes during the run (other processes share the machine) cancels out of the ratio;
+  memory copy), which the run measures first;
 * the factor-GEMM and inversion throughput as a fraction of the measured matmul throughput;
 * peak memory over the first-order run, against the factor and inverse bytes.
 
 How a step is amortized: each method runs a fixed pattern of update steps (factors captured and
 inverses recomputed) and plain steps (precondition only), with a warm-up update and plain step
-first (peak memory is measured on those two). Every step of a method follows a step of the base
-optimizer on its own copy of the model, and ratios are medians of these adjacent pairs. For an
-interval ``N`` the amortized step is ``(T_update + (N - 1) T_plain) / N`` with the median ``T``
-of each kind (ratios and per-stage times are amortized the same way). Timings are wall clock
+first. For an interval ``N`` the amortized step is ``(T_update + (N - 1) T_plain) / N`` with the
+median ``T`` of each kind; per-stage times are amortized the same way. Timings are wall clock
 (``time.perf_counter``) on the CPU and CUDA events on a GPU, where the forward and backward run
 under bf16 autocast (factors and inversions stay fp32, as ``core`` always keeps them).
 
@@ -168,16 +164,12 @@ class Rates:
         eigh: ``n³``/s of ``torch.linalg.eigh`` of an SPD matrix, by ``n``.
         cholesky: ``n³``/s of a Cholesky factorisation plus inverse, by ``n``.
         bandwidth: bytes/s of a large copy (read plus write).
-        reference: Seconds of the calibration matmul (:func:`calibration`) when these rates
-            were measured; a step's bounds are scaled by its own calibration time over this,
-            so load that changes during the run cancels out of the bound ratios.
     """
 
     gemm: dict[int, float]
     eigh: dict[int, float]
     cholesky: dict[int, float]
     bandwidth: float
-    reference: float
 
     def at(self, kind: str, n: int) -> float:
         """The ``kind`` rate measured at the size nearest ``n`` (log scale)."""
@@ -195,20 +187,9 @@ def _spd(n: int, device: torch.device) -> Tensor:
     return x @ x.T / (2 * n) + 1e-3 * torch.eye(n, device=device)
 
 
-CALIBRATION_SIZE = 512
-
-
-def calibration(device: torch.device, clock: Clock) -> Callable[[], float]:
-    """A function timing a ``512³`` matmul (median of three): the machine's speed right now."""
-    a = torch.randn(CALIBRATION_SIZE, CALIBRATION_SIZE, device=device)
-    return lambda: clock.median(lambda: a @ a, 3)
-
-
 def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock, repeats: int,
                   copy_elements: int) -> Rates:
     """GEMM, eigh and Cholesky-inverse throughput at ``sizes``, and copy bandwidth."""
-    reference = calibration(device, clock)
-    before = reference()
     gemm, eigh, cholesky = {}, {}, {}
     for n in sizes:
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
@@ -220,8 +201,7 @@ def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock, repe
     src = torch.randn(copy_elements, device=device)
     dst = torch.empty_like(src)
     seconds = clock.median(lambda: dst.copy_(src), repeats)
-    return Rates(gemm, eigh, cholesky, bandwidth=2 * src.numel() * src.element_size() / seconds,
-                 reference=statistics.median([before, reference()]))
+    return Rates(gemm, eigh, cholesky, bandwidth=2 * src.numel() * src.element_size() / seconds)
 
 
 # Workloads -----------------------------------------------------------------------------------
@@ -421,7 +401,6 @@ class MethodRun:
         seconds: Step time per timed step.
         base_seconds: Time of the base step run just before each timed step (the ratio of the
             two is insensitive to load that drifts slower than a step).
-        reference_seconds: The calibration matmul's time just before each timed step.
         stages: The preconditioner's stage times per timed step (empty for the base).
         peak_bytes: Peak memory above the state before the first step, plus the state the
             method allocated when it was built.
@@ -433,7 +412,6 @@ class MethodRun:
     kinds: list[str]
     seconds: list[float]
     base_seconds: list[float]
-    reference_seconds: list[float]
     stages: list[dict[str, float]]
     peak_bytes: int
     state_bytes: int
@@ -451,10 +429,6 @@ class MethodRun:
         """Median over ``kind`` steps of the step time over the adjacent base step time."""
         return self._of(kind, [s / b for s, b in zip(self.seconds, self.base_seconds,
                                                       strict=True)])
-
-    def slowdown(self, kind: str, reference: float) -> float:
-        """Median over ``kind`` steps of the calibration time over ``reference``."""
-        return self._of(kind, [r / reference for r in self.reference_seconds])
 
     def stage_median(self, kind: str, column: str) -> float:
         """Median seconds of a :data:`COLUMNS` stage over ``kind`` steps."""
@@ -533,10 +507,8 @@ def state_bytes(precond: Any) -> int:
 
 def run_method(workload: Workload, method: Method, base: Trainer, device: torch.device,
                clock: Clock, memory: MemoryProbe,
-               autocast: Callable[[], AbstractContextManager[Any]],
-               reference: Callable[[], float]) -> MethodRun:
-    """Train ``workload`` with ``method``, each step right after a step of ``base`` and a
-    calibration matmul (``reference``)."""
+               autocast: Callable[[], AbstractContextManager[Any]]) -> MethodRun:
+    """Train ``workload`` with ``method``, each step right after a step of ``base``."""
     kinds = step_kinds(workload.rounds)
     updates = frozenset(i for i, kind in enumerate(kinds) if kind == "update")
     trainer = Trainer(workload, method, updates, device, autocast)
@@ -545,10 +517,9 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
                                   trainer.average_positions)
     built = state_bytes(precond)  # allocated with the method (MKOR's identity inverses)
     memory.start()
-    seconds, base_seconds, references, stages, peak = [], [], [], [], 0
+    seconds, base_seconds, stages, peak = [], [], [], 0
     for i in range(len(kinds)):
         base_seconds.append(clock.time(base.step))
-        references.append(reference())
         warm = i < WARM_STEPS  # memory is measured on the untimed warm-up steps only: its
         if warm:  # probe returns freed heap memory, which timed steps would pay to fault in
             memory.mark()
@@ -561,8 +532,7 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     metrics = precond.metrics()
     return MethodRun(
         kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
-        references[WARM_STEPS:], stages[WARM_STEPS:], built + peak,
-        state_bytes=state_bytes(precond),
+        stages[WARM_STEPS:], built + peak, state_bytes=state_bytes(precond),
         layers=[LayerShape(layer.a_dim, layer.g_dim, rows[layer.name])
                 for layer in precond.layers],
         failures=int(metrics.get("decomposition_failures", 0)
@@ -663,8 +633,7 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
         base_peak: Peak bytes of the base run.
         method: The method.
         run: Its measurements.
-        rates: This machine's kernel rates, for the bounds; each kind of step scales them by
-            its median calibration time over the one measured with the rates.
+        rates: This machine's kernel rates, for the bounds.
         intervals: Update intervals to amortize over.
     """
     bounds = stage_bounds(method, run.layers, rates)
@@ -676,14 +645,11 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
         x.a_dim**3 + x.g_dim**3 for x in run.layers)
     inversion_s = run.stage_median("update", "inversion")
     dense = method.kind == "kfac"
-    slow = {kind: run.slowdown(kind, rates.reference) for kind in ("update", "plain")}
-    peak_now = rates.peak_gemm / slow["update"]
     rows = []
     for n in intervals:
         stages = {c: amortize(run.stage_median("update", c), run.stage_median("plain", c), n)
                   for c in COLUMNS}
-        bound = {s: amortize(bounds["update"][s] * slow["update"],
-                             bounds["plain"][s] * slow["plain"], n) for s in WORK}
+        bound = {s: amortize(bounds["update"][s], bounds["plain"][s], n) for s in WORK}
         work = sum(stages[s] for s in WORK)
         rows.append(Row(
             workload, method.name, n,
@@ -691,8 +657,9 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
             amortize(run.ratio("update"), run.ratio("plain"), n), stages, bound,
             work / max(sum(bound.values()), 1e-12), over, state,
             over / state if state else math.nan,
-            factor_flops / factor_s / peak_now if dense and factor_s > 0 else None,
-            decomposition_flops / inversion_s / peak_now if dense and inversion_s > 0 else None,
+            factor_flops / factor_s / rates.peak_gemm if dense and factor_s > 0 else None,
+            decomposition_flops / inversion_s / rates.peak_gemm
+            if dense and inversion_s > 0 else None,
             run.failures))
     return rows
 
@@ -892,13 +859,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             workload = Workload(**{**workload.__dict__, "rounds": args.rounds})
         rates = all_rates[name] = measure_rates(
             sizes, device, clock, repeats=3, copy_elements=2**20 if args.quick else 2**26)
-        reference = calibration(device, clock)
         base, base_peak = run_base(workload, device, memory, autocast)
         raw[name] = {"base_peak_bytes": base_peak, "load_before": os.getloadavg()}
         timings = []
         for method in methods:
-            run = run_method(workload, method, base, device, clock, memory, autocast,
-                             reference)
+            run = run_method(workload, method, base, device, clock, memory, autocast)
             raw[name][method.name] = asdict(run)
             timings += run.base_seconds
             base_steps[name] = statistics.median(timings)

@@ -82,8 +82,9 @@ def fit_alpha_beta(samples: Sequence[tuple[str, float, int, float]], label: str)
         label: Describes where the samples come from.
 
     Returns:
-        The fitted network (``α`` is clamped at 0, and ``β`` refitted alone, if ``α`` fits
-        negative).
+        The fitted network. A coefficient that fits negative (noise on a loaded machine) is
+        clamped at 0 and the other refitted alone: ``α = 0``, or an infinite bandwidth when
+        the payload size explains none of the measured time.
     """
     seconds = torch.tensor([s for *_, s in samples], dtype=torch.float64)
     rows = torch.tensor([coefficients(op, n, p) for op, n, p, _ in samples],
@@ -93,7 +94,11 @@ def fit_alpha_beta(samples: Sequence[tuple[str, float, int, float]], label: str)
     if alpha < 0:
         alpha = torch.zeros((), dtype=torch.float64)
         inverse_bandwidth = (rows[:, 1] @ ones) / (rows[:, 1] @ rows[:, 1])
-    return AlphaBeta(float(alpha), 1.0 / float(inverse_bandwidth), label)
+    elif inverse_bandwidth <= 0:
+        inverse_bandwidth = torch.zeros((), dtype=torch.float64)
+        alpha = (rows[:, 0] @ ones) / (rows[:, 0] @ rows[:, 0])
+    bandwidth = math.inf if float(inverse_bandwidth) == 0.0 else 1.0 / float(inverse_bandwidth)
+    return AlphaBeta(float(alpha), bandwidth, label)
 
 
 STAGES = ("FF&BP", "grad all-reduce", "factor comp", "factor comm", "inversion",

@@ -32,11 +32,12 @@ from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import load_results
 from reproductions.common.tables import Table, write_tables
 from reproductions.mkor.config import MODEL_PRESETS, load_config
-from reproductions.mkor.measure import linear_layer, measure_costs, update_times
+from reproductions.mkor.measure import METHODS, linear_layer, measure_costs, update_times
 from reproductions.mkor.model import build_model, pretraining_loss
 from reproductions.mkor.report import BASELINE, compare, speedups
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = RESULTS_DIR.parents[2]
 
 NAMES = {"lamb": "LAMB", "kfac": "KAISA (K-FAC)", "mkor": "MKOR", "mkor-h": "MKOR-H",
          "eva": "Eva"}
@@ -91,7 +92,7 @@ def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> T
         times.append({m: update_times(m, *linear_layer(d), options[m])
                       for m in ("kfac", "mkor", "eva")})
     rows: list[list[Any]] = []
-    for method in ("mkor", "kfac", "eva", "lamb"):
+    for method in METHODS:
         memory = [c[method].state_bytes for c in costs]
         comm = [c[method].comm_bytes or None for c in costs]
         update = [t[method]["update"] * 1e3 if method in t else None for t in times]
@@ -216,7 +217,7 @@ def speedup_table(runs: list[dict[str, Any]], experiment: str, source: str) -> T
             f"Ours: experiment '{experiment}' from {source} — BERT "
             f"{config.get('model', '?')}, {config.get('steps', '?')} steps of "
             f"{config.get('batch_size', '?')} x {config.get('seq_len', '?')} tokens, corpus "
-            f"{config.get('corpus', '?')}, every optimizer from {start} on identical "
+            f"{', '.join(config.get('corpus', ['?']))}, every optimizer from {start} on identical "
             f"batches; {hardware.get('cpu', '?')}, {hardware.get('threads', '?')} threads, "
             f"1-minute load average at the start of each run {loads}. The paper's target is "
             "LAMB's SQuAD F1 after phase 2 on 64 A100s (hours); ours is LAMB's final training "
@@ -251,6 +252,14 @@ def finetune_table() -> Table:
 
 # ----------------------------------------------------------------------------------------------
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it (tables files are committed)."""
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def main(argv: list[str] | None = None) -> list[Table]:
     """Build, print and write the tables; returns them."""
     parser = argparse.ArgumentParser(prog="python -m reproductions.mkor.tables",
@@ -277,7 +286,7 @@ def main(argv: list[str] | None = None) -> list[Table]:
     runs = load_runs(args.results, args.experiment)
     tables = [complexity_table(dims, args.world_size, args.kfac_ranks),
               memory_table(args.model, args.world_size, args.kfac_ranks),
-              speedup_table(runs, args.experiment, str(args.results)),
+              speedup_table(runs, args.experiment, _shown(args.results)),
               finetune_table()]
     for table in tables:
         print(table.markdown(), end="\n\n")

@@ -65,3 +65,13 @@ def test_stage_seconds_of_d_kfac_and_dp_kfac() -> None:
     assert dp["inverse comm"] == pytest.approx(NET.collective("all_reduce", 4, 2))
     assert dp["P broadcast"] == pytest.approx(NET.collective("broadcast", 4 * 3 * 7, 2)
                                               + NET.collective("broadcast", 4 * 2 * 4, 2))
+
+
+def test_fit_clamps_a_negative_inverse_bandwidth_to_an_infinite_bandwidth() -> None:
+    from reproductions.dpkfac.timemodel import fit_alpha_beta
+
+    # the larger message measured faster: only latency explains the times
+    network = fit_alpha_beta([("all_reduce", 4096, 2, 0.002), ("all_reduce", 65536, 2, 0.001)],
+                             "noisy")
+    assert network.bandwidth == float("inf")
+    assert 0.0005 < network.alpha_s < 0.001  # two all-reduce latency terms of 1-2 ms

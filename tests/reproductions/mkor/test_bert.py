@@ -100,3 +100,12 @@ def test_two_processes_like_torchrun(run_args: list[str], tmp_path: Path) -> Non
         assert set(ledger) == stages | {"grad_allreduce"}, name
         assert ledger["grad_allreduce"]["collectives"] == 3
         assert all(totals["traffic_bytes"] > 0 for totals in ledger.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision(run_args: list[str], precision: str) -> None:
+    """The GPU's autocast paths, exercised with CPU autocast (fp16 with loss scaling)."""
+    runs = bert.main([*run_args, "--optimizers", "lamb,kfac,mkor", "--precision", precision,
+                      "--wandb", "disabled"])
+    for results in runs:
+        assert results["finished"] and all(math.isfinite(s["loss"]) for s in results["steps"])
