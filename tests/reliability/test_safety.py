@@ -4,8 +4,6 @@ logs, results files, checkpoints or the W&B run."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,14 @@ from reproductions.common.checkpoint import (
 from reproductions.common.results import RunRecorder, load_results
 from reproductions.common.scrub import REDACTED
 from reproductions.osawa2018.train import main
-from tests.reliability.helpers import REPO, SETTINGS, TIMEOUT_S, child_env, train_args
+from tests.reliability.helpers import (
+    SETTINGS,
+    TIMEOUT_S,
+    child_env,
+    kill_group,
+    start,
+    train_args,
+)
 
 WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"
 HF_TOKEN = "hf_FAKEtokenFAKEtokenFAKEtokenFAKE"
@@ -66,14 +71,16 @@ def test_no_secret_reaches_logs_results_checkpoints_or_wandb(tmp_path: Path,
     args = train_args(out, image_folder, "--max-steps", "4", "--wandb", "offline",
                       settings=settings)  # the last --wandb wins
     env = child_env(WANDB_API_KEY=WANDB_KEY, HF_TOKEN=HF_TOKEN, WANDB_MODE="offline")
-    done = subprocess.run([sys.executable, "-m", "reproductions.osawa2018.train", *args],
-                          cwd=REPO, env=env, capture_output=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, done.stderr.decode()
+    log = tmp_path / "train.log"  # everything the run printed, stdout and stderr
+    process = start(["-m", "reproductions.osawa2018.train", *args], log, env)
+    try:
+        assert process.wait(timeout=TIMEOUT_S) == 0, log.read_text()
+    finally:
+        kill_group(process)  # and W&B's service process, if it outlived the run
     written = [p for p in out.rglob("*") if p.is_file() and not p.is_symlink()]
     assert any(p.suffix == ".wandb" for p in written), "the W&B offline run was written"
     assert any(p.name.startswith("checkpoint-") for p in written)
     assert load_results(out / "results.json")["config"]["source"] == f"notes (token {REDACTED})"
     for secret in (WANDB_KEY, HF_TOKEN):
-        for blob, where in [(done.stdout, "stdout"), (done.stderr, "stderr"),
-                            *((p.read_bytes(), str(p)) for p in written)]:
-            assert secret.encode() not in blob, f"{where} holds a secret"
+        for path in [log, *written]:
+            assert secret.encode() not in path.read_bytes(), f"{path} holds a secret"
