@@ -60,10 +60,20 @@ def check_schedulable(
     """
     if callable(value):
         return
+    _check_range(name, value, low=low, high=high, low_inclusive=low_inclusive,
+                 high_inclusive=high_inclusive, integer=integer, alternative=" or a callable of "
+                 "the step")
+
+
+def _check_range(name: str, value: Any, *, low: float, high: float = math.inf,
+                 low_inclusive: bool = True, high_inclusive: bool = True, integer: bool = False,
+                 alternative: str = "") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a (non-bool) number inside the range; the
+    message's allowed values end with ``alternative``."""
     lo = "[" if low_inclusive else "("
     hi = "]" if high_inclusive else ")"
     kind = "an integer" if integer else "a number"
-    allowed = f"{kind} in {lo}{low}, {high}{hi} or a callable of the step"
+    allowed = f"{kind} in {lo}{low}, {high}{hi}{alternative}"
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(name, value, allowed)
     if integer and not isinstance(value, int):
@@ -85,7 +95,7 @@ def check_number(name: str, value: Any, **bounds: Any) -> None:
     """
     if callable(value):
         raise ConfigError(name, value, "a number (not a callable)")
-    check_schedulable(name, value, **bounds)
+    _check_range(name, value, **bounds)
 
 
 def check_scheduled_value(

@@ -106,17 +106,21 @@ def make_state(method: str, tensors: Sequence[Tensor]) -> SecondOrderState:
 
 def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matrix: Tensor,
                      dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """Run ``fn`` in ``dtype``; on an error or non-finite output, once more in fp64."""
+    """Run ``fn`` in ``dtype``; on an error or non-finite output, once more in fp64.
+
+    The fp64 result is cast back to ``dtype`` and must be finite there too: the damped inverse
+    of a singular factor can exceed fp32's range (a tiny damping), and is then a failure.
+    """
     errors = []
     for attempt in dict.fromkeys([dtype, torch.float64]):
         try:
-            out = fn(matrix.to(attempt))
+            out = tuple(t.to(dtype) for t in fn(matrix.to(attempt)))
         except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
             errors.append(f"{attempt}: {err}")
             continue
         if all_finite(out):
-            return tuple(t.to(dtype) for t in out)
-        errors.append(f"{attempt}: non-finite result")
+            return out
+        errors.append(f"{attempt}: non-finite result in {dtype}")
     raise DecompositionError(f"{name} failed ({'; '.join(errors)})")
 
 

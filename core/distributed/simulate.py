@@ -42,12 +42,18 @@ class RankReport:
         ledger: Its collectives.
         memory: :func:`~core.preconditioner.memory_report` after the simulated steps.
         captured_bytes: Batch factors it builds per factor update (transient).
+        captured: Layers whose batch factors it builds.
+        inverted: ``(layer, side)`` of each factor it decomposes or inverts.
+        preconditioned: Layers whose preconditioned gradient it computes (last step).
     """
 
     rank: int
     ledger: Ledger
     memory: dict[str, int]
     captured_bytes: int
+    captured: tuple[str, ...] = ()
+    inverted: tuple[tuple[str, str], ...] = ()
+    preconditioned: tuple[str, ...] = ()
 
 
 @dataclass
@@ -168,6 +174,7 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
     grads = [SimpleNamespace(grad=torch.empty_like(p)) for p in model.parameters()
              if p.requires_grad]
     captured = 0
+    computed: tuple[str, ...] = ()
     for step in range(steps):
         strategy.set_step(step)
         if average_grads:
@@ -183,8 +190,14 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
             layer.name: torch.empty(layer.g_dim, layer.a_dim, dtype=inverse_dtype, device=META)
             for layer in layers if strategy.preconditions(layer) and layer.has_state
         }
+        computed = tuple(preconditioned)
         strategy.communicate_gradients(layers, preconditioned)
-    report = RankReport(rank, communicator.ledger, memory_report(layers, strategy), captured)
+    report = RankReport(
+        rank, communicator.ledger, memory_report(layers, strategy), captured,
+        captured=tuple(layer.name for layer in layers if strategy.captures(layer)),
+        inverted=tuple((layer.name, side) for layer in layers
+                       for side in strategy.inverse_sides(layer)),
+        preconditioned=computed)
     return report, strategy, layers
 
 

@@ -6,6 +6,7 @@
 * :mod:`~reproductions.common.tracking`: Weights & Biases runs, offline unless logged in.
 * :mod:`~reproductions.common.launch`: ``torchrun`` environment, seeding and teardown.
 * :mod:`~reproductions.common.scrub`: keeps API keys and tokens out of everything written.
+* :mod:`~reproductions.common.tables`: rebuilt paper tables, one schema for all reproductions.
 
-See ``reproductions/common/README.md`` for the results schema.
+See ``reproductions/common/README.md`` for the results and tables schemas.
 """

@@ -4,7 +4,9 @@ A checkpoint is ``<directory>/checkpoint-<step:09d>.pt``. It is written to a tem
 same directory, flushed and fsynced, renamed into place (atomic on POSIX), and the directory is
 fsynced so the rename itself is durable. So a file under the final name is always complete; a
 damaged one (a copied-in truncated file, a bad disk) is detected at load time, reported, and the
-previous checkpoint is used instead. Only the newest ``keep`` checkpoints are kept.
+previous checkpoint is used instead. Only the newest ``keep`` checkpoints are kept. A distributed
+run keeps one directory per rank; :func:`load_agreed_checkpoint` finds the newest step that every
+rank can read.
 
 States are loaded with ``torch.load(weights_only=True)``, which cannot run code from the file, so
 states must consist of tensors, dicts, lists, tuples, numbers, strings, booleans and None;
@@ -17,14 +19,15 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _NAME = re.compile(r"^checkpoint-(\d{9,})\.pt$")
-_PLAIN = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device, torch.Size)
+_SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
 
 
 class CheckpointError(RuntimeError):
@@ -49,6 +52,9 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def check_weights_only(value: Any, where: str = "state") -> None:
     """Raise TypeError unless ``value`` can be loaded by ``torch.load(weights_only=True)``.
 
+    Types are checked exactly: subclasses of ``str`` or ``float`` (``torch.__version__``, numpy
+    scalars) and of containers (named tuples) are refused by the loader, so they are here too.
+
     Args:
         value: The object to check, recursively.
         where: How to name ``value`` in the error, e.g. ``"state"``.
@@ -56,17 +62,17 @@ def check_weights_only(value: Any, where: str = "state") -> None:
     Raises:
         TypeError: naming the first entry (``state['optimizer']['x']``) of another type.
     """
-    if isinstance(value, Mapping):
+    kind = type(value)
+    if kind in (dict, OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, str | int | float | bool | tuple) and key is not None:
-                raise TypeError(f"{where} has a key of type {type(key).__name__}: {key!r}")
+            check_weights_only(key, f"{where} key {key!r}")
             check_weights_only(item, f"{where}[{key!r}]")
-    elif isinstance(value, list | tuple):
+    elif kind in (list, tuple):
         for index, item in enumerate(value):
             check_weights_only(item, f"{where}[{index}]")
-    elif not isinstance(value, _PLAIN):
-        raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, "
-                        "which torch.load(weights_only=True) refuses; store tensors, numbers, "
+    elif not (kind in _SCALARS or isinstance(value, torch.Tensor)):
+        raise TypeError(f"{where} is a {kind.__module__}.{kind.__qualname__}, which "
+                        "torch.load(weights_only=True) refuses; store tensors, numbers, "
                         "strings, lists, tuples and dicts only")
 
 
@@ -80,6 +86,13 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _reason(exc: Exception) -> str:
+    """The informative line of a load error (torch's weights_only errors bury it mid-text)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    detail = [line for line in lines if line.startswith("WeightsUnpickler error:")]
+    return (detail or lines or [""])[0]
 
 
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
@@ -122,39 +135,108 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     return final
 
 
-def load_latest_checkpoint(directory: Path, map_location: str | torch.device = "cpu"
-                           ) -> dict | None:
-    """Load the newest readable checkpoint in ``directory``.
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint file was taken after, read from its name.
 
-    A newest file that cannot be read (truncated, corrupt, not a dict) produces a warning naming
-    it, and the next older one is tried.
+    Raises:
+        ValueError: ``path`` is not named like a checkpoint.
+    """
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named checkpoint-<step>.pt")
+    return int(match.group(1))
+
+
+def load_newest_checkpoint(directory: Path, map_location: str | torch.device = "cpu", *,
+                           at_most: int | None = None) -> tuple[int, dict] | None:
+    """Load the newest readable checkpoint in ``directory`` (of a step <= ``at_most``).
+
+    A newer file that cannot be read (truncated, corrupt, not a dict, or holding objects that
+    ``weights_only`` loading refuses, such as pickled callables) produces a warning naming it,
+    and the next older one is tried.
 
     Args:
         directory: Where :func:`save_checkpoint` wrote.
         map_location: Where tensors are loaded to.
+        at_most: Ignore checkpoints of later steps (None: consider all).
 
     Returns:
-        The saved state, or None when the directory holds no checkpoint at all.
+        ``(step, state)``, or None when the directory holds no (eligible) checkpoint at all.
 
     Raises:
-        CheckpointError: checkpoints exist but none can be read; the message names each file
-            and why it failed.
+        CheckpointError: eligible checkpoints exist but none can be read; the message names each
+            file and why it failed.
     """
     failures: list[str] = []
     for path in reversed(list_checkpoints(directory)):
+        step = checkpoint_step(path)
+        if at_most is not None and step > at_most:
+            continue
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)
             if not isinstance(state, dict):
                 raise TypeError(f"holds a {type(state).__name__}, not a dict")
         except Exception as exc:  # noqa: BLE001 - any failure means "this file is unusable"
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            reason = f"{type(exc).__name__}: {first_line}"
+            reason = f"{type(exc).__name__}: {_reason(exc)}"
             failures.append(f"{path} ({reason})")
             warnings.warn(f"checkpoint {path} cannot be loaded ({reason}); trying the previous "
                           "one", RuntimeWarning, stacklevel=2)
             continue
-        return state
+        return step, state
     if failures:
         raise CheckpointError(f"no checkpoint in {directory} can be loaded: "
                               + "; ".join(failures))
     return None
+
+
+def load_latest_checkpoint(directory: Path, map_location: str | torch.device = "cpu"
+                           ) -> dict | None:
+    """The state of :func:`load_newest_checkpoint` (None when there is no checkpoint).
+
+    Raises:
+        CheckpointError: checkpoints exist but none can be read (each file named).
+    """
+    found = load_newest_checkpoint(directory, map_location)
+    return None if found is None else found[1]
+
+
+def _min_over_ranks(step: int, device: str | torch.device) -> int:
+    """The smallest ``step`` of all ranks (``step`` itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return step
+    value = torch.tensor([step], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value)
+
+
+def load_agreed_checkpoint(directory: Path, map_location: str | torch.device = "cpu"
+                           ) -> dict | None:
+    """This rank's readable checkpoint of the newest step that every rank can load.
+
+    Every rank of the process group calls this with its own directory. Ranks save one after the
+    other, and a file may be damaged, so the newest readable step can differ between ranks; all
+    ranks then step back until they agree. Without a process group this is
+    :func:`load_latest_checkpoint`.
+
+    Args:
+        directory: This rank's checkpoint directory.
+        map_location: Where tensors are loaded to (this rank's device, which the collective
+            also uses).
+
+    Returns:
+        The state, or None when some rank has no usable checkpoint (all start afresh).
+
+    Raises:
+        CheckpointError: this rank's checkpoints of the agreed step and older cannot be read.
+    """
+    found = load_newest_checkpoint(directory, map_location)
+    step = -1 if found is None else found[0]
+    agreed = _min_over_ranks(step, map_location)
+    while True:
+        if step > agreed:
+            found = load_newest_checkpoint(directory, map_location, at_most=agreed)
+            step = -1 if found is None else found[0]
+        lowest = _min_over_ranks(step, map_location)
+        if lowest == agreed:  # every step is <= agreed and the smallest equals it: all agree
+            return None if found is None else found[1]
+        agreed = lowest

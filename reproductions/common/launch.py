@@ -3,17 +3,30 @@
 ``torchrun`` (and Slurm launch templates that call it) set ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; :func:`init_distributed` reads them and joins
 the process group (NCCL on GPUs, gloo on CPUs). Run without them, it is a single process.
+:func:`run_local` starts such processes on this machine without ``torchrun`` (an entry point's
+``--workers N``, tests). Under ``torchrun --max-restarts N`` a failed worker makes the agent
+restart the whole group with ``TORCHELASTIC_RESTART_COUNT`` raised by one;
+:attr:`DistContext.restarts` reports it, so entry points resume from their checkpoints then.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,8 @@ class DistContext:
         local_rank: Rank on this node (selects the GPU).
         device: The device this process computes on.
         is_main: Whether this is rank 0 (which logs, writes results and checkpoints).
+        restarts: How often ``torchrun`` has restarted the worker group (0 on the first attempt
+            and without ``torchrun``); after a restart the run continues from its checkpoints.
     """
 
     rank: int
@@ -33,6 +48,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     is_main: bool
+    restarts: int = 0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -49,7 +65,9 @@ def init_distributed(device: str = "auto") -> DistContext:
     With ``WORLD_SIZE`` > 1 the process group is initialised from the environment (NCCL when
     CUDA is available, else gloo), and each process uses one thread (``torch.set_num_threads(1)``
     and ``OMP_NUM_THREADS=1``): several processes with several threads each on shared cores make
-    dense linear algebra hundreds of times slower.
+    dense linear algebra hundreds of times slower. The group's keys in the rendezvous store are
+    prefixed by the ``torchrun`` attempt: the elastic agent keeps one store across restarts, and
+    a restarted group reading the failed attempt's addresses would connect to dead workers.
 
     Args:
         device: ``"auto"`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``"cpu"``
@@ -75,14 +93,32 @@ def init_distributed(device: str = "auto") -> DistContext:
         chosen = torch.device("cuda", local_rank)
     else:
         chosen = torch.device("cpu")
+    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if world_size > 1:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
         if not dist.is_initialized():
+            store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size))
             dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size,
+                                    store=dist.PrefixStore(f"attempt-{restarts}", store))
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=chosen,
-                       is_main=rank == 0)
+                       is_main=rank == 0, restarts=restarts)
+
+
+@contextmanager
+def main_process_first(ctx: DistContext) -> Iterator[None]:
+    """Run the enclosed block on rank 0 first, then on the other ranks.
+
+    For building caches (tokenised data sets, vocabularies): rank 0 writes them while the others
+    wait at a barrier, then the others find them ready instead of racing to write them too.
+    """
+    distributed = ctx.world_size > 1 and dist.is_initialized()
+    if distributed and not ctx.is_main:
+        dist.barrier()
+    yield
+    if distributed and ctx.is_main:
+        dist.barrier()
 
 
 def seed_everything(seed: int) -> None:
@@ -97,3 +133,64 @@ def cleanup() -> None:
     """Leave the process group, if this process joined one (call at the end of a run)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str,
+                 device: str, args: tuple[Any, ...]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    init_distributed(device)
+    try:
+        result = fn(*args)
+    finally:
+        cleanup()
+    with open(Path(out) / f"result{rank}.pkl", "wb") as handle:
+        pickle.dump(result, handle)
+
+
+def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
+              timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` local processes joined as ``torchrun`` would join them.
+
+    Each process gets the ``torchrun`` variables, one thread, and the process group of
+    :func:`init_distributed` (left again when ``fn`` returns), so code written for ``torchrun``
+    runs unchanged. ``fn`` must be importable (a module-level function) and its arguments and
+    result picklable.
+
+    Args:
+        fn: The function each process runs.
+        world_size: Number of processes.
+        *args: Passed to ``fn`` in every process.
+        device: Passed to :func:`init_distributed` (``"cpu"``: gloo).
+        timeout: Seconds before hung processes are killed and TimeoutError is raised.
+
+    Returns:
+        ``fn``'s result in each process, by rank.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: a process raised (with its traceback).
+        TimeoutError: the processes did not finish within ``timeout``.
+    """
+    with tempfile.TemporaryDirectory() as out:
+        context = mp.start_processes(
+            _local_entry, args=(fn, world_size, _free_port(), out, device, args),
+            nprocs=world_size, join=False, start_method="spawn")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not context.join(timeout=2.0):
+            if deadline is not None and time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} processes "
+                                   f"did not finish in {timeout} s")
+        results = []
+        for rank in range(world_size):
+            with open(Path(out) / f"result{rank}.pkl", "rb") as handle:
+                results.append(pickle.load(handle))
+        return results

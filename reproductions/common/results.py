@@ -97,14 +97,17 @@ def hardware_info(world_size: int = 1, device: torch.device | str | None = None
         device: The run's device; a CUDA device is named, anything else gives ``cuda: null``.
 
     Returns:
-        ``{"cpu", "cpu_count", "threads", "torch", "cuda", "world_size"}``; ``cuda`` is the GPU
-        model (e.g. ``"NVIDIA A100-SXM4-40GB"``) or None on a CPU run.
+        ``{"cpu", "cpu_count", "threads", "torch", "cuda", "world_size", "load_average"}``;
+        ``cuda`` is the GPU model (e.g. ``"NVIDIA A100-SXM4-40GB"``) or None on a CPU run;
+        ``load_average`` is the 1/5/15-minute system load when recorded (timings taken on a
+        busy machine are not comparable with an idle one's).
     """
     dev = torch.device(device) if device is not None else None
     cuda = (torch.cuda.get_device_name(dev) if dev is not None and dev.type == "cuda"
             and torch.cuda.is_available() else None)
     return {"cpu": _cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cuda": cuda, "world_size": world_size}
+            "torch": str(torch.__version__), "cuda": cuda, "world_size": world_size,
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _is_number(value: Any) -> bool:

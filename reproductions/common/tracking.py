@@ -16,6 +16,7 @@ import json
 import netrc
 import os
 import struct
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -119,7 +120,8 @@ class Tracker:
         self.run: Any = wandb.init(
             project=self.project, group=self.group, name=self.name, job_type=optimizer,
             config=scrub_secrets(dict(config)), mode=self.mode, dir=str(directory), id=run_id,
-            resume="allow" if run_id else None, settings=wandb.Settings(console="off"),
+            resume="allow" if run_id else None,
+            settings=wandb.Settings(console="off", quiet=True),
         )
         self.id: str = self.run.id
 
@@ -201,12 +203,15 @@ def _item_value(item: Any) -> Any:
     return getattr(item, kind)
 
 
-def read_offline_history(run_dir: Path) -> list[dict[str, Any]]:
+def read_offline_history(run_dir: Path, wait_s: float = 0.0) -> list[dict[str, Any]]:
     """Read the logged history of a local W&B run, without network or the wandb service.
 
     Args:
         run_dir: A run directory (``.../wandb/offline-run-<time>-<id>``) or its
             ``run-<id>.wandb`` file.
+        wait_s: Seconds to keep rereading the file until it holds the run's ``exit`` record: W&B's
+            service can finish writing a run just after ``run.finish()`` returns. When the time
+            is up the file is read as it stands (a run in progress has no exit record).
 
     Returns:
         One dict per logged step, in order, with the logged keys (nested keys joined by ``.``)
@@ -224,18 +229,24 @@ def read_offline_history(run_dir: Path) -> list[dict[str, Any]]:
         if not files:
             raise FileNotFoundError(f"{path}: no run-*.wandb file (not a W&B run directory)")
         path = files[0]
-    data = path.read_bytes()
-    if len(data) < _HEADER.size or _HEADER.unpack_from(data)[0] != b":W&B":
-        raise ValueError(f"{path}: not a W&B run file (bad header)")
-    history = []
-    try:
-        raws = list(_records(data))
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    for raw in raws:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
-            history.append({(".".join(item.nested_key) if item.nested_key else item.key):
-                            _item_value(item) for item in record.history.item})
-    return history
+    deadline = time.monotonic() + wait_s
+    while True:
+        data = path.read_bytes()
+        if len(data) < _HEADER.size or _HEADER.unpack_from(data)[0] != b":W&B":
+            raise ValueError(f"{path}: not a W&B run file (bad header)")
+        try:
+            raws = list(_records(data))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        records = []
+        for raw in raws:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(raw)
+            records.append(record)
+        if time.monotonic() >= deadline or any(r.WhichOneof("record_type") == "exit"
+                                               for r in records):
+            break
+        time.sleep(0.1)
+    return [{(".".join(item.nested_key) if item.nested_key else item.key): _item_value(item)
+             for item in record.history.item}
+            for record in records if record.WhichOneof("record_type") == "history"]

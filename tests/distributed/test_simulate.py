@@ -71,3 +71,15 @@ def test_bert_large_encoder_totals() -> None:
     assert totals["factor_elements"] == 1_057_407_120
     assert totals["rank1_elements"] == 442_512
     assert report.per_worker(stage="factor_comm", field="elements") == [1_057_407_120]
+
+
+def test_resnet50_per_rank_work(resnet50: nn.Module) -> None:
+    """Who captures, inverts and preconditions what, per simulated rank."""
+    d_kfac = simulate(resnet50, "d-kfac", 64, ranks=[3], average_grads=False).ranks[0]
+    assert (len(d_kfac.captured), len(d_kfac.inverted), len(d_kfac.preconditioned)) == (54, 108,
+                                                                                       54)
+    report = simulate(resnet50, "dp-kfac", 64, average_grads=False, assignment="round-robin")
+    for rank in report.ranks:
+        owned = tuple(w.name for i, w in enumerate(report.layers) if i % 64 == rank.rank)
+        assert rank.captured == rank.preconditioned == owned
+        assert rank.inverted == tuple((name, side) for name in owned for side in "ag")

@@ -1,7 +1,9 @@
-"""Atomic checkpoints: naming, rotation, weights_only loading, corrupt-file fallback."""
+"""Atomic checkpoints: naming, rotation, weights_only loading, corrupt-file fallback, and the
+newest step every rank of a distributed run can load."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -10,10 +12,14 @@ import torch
 from reproductions.common.checkpoint import (
     CheckpointError,
     checkpoint_path,
+    checkpoint_step,
     list_checkpoints,
+    load_agreed_checkpoint,
     load_latest_checkpoint,
+    load_newest_checkpoint,
     save_checkpoint,
 )
+from reproductions.common.launch import run_local
 
 
 def state(step: int) -> dict:
@@ -48,6 +54,8 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monke
 def test_loads_with_weights_only(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"state\['bad'\].*weights_only"):
         save_checkpoint(tmp_path, 1, {"bad": object()})
+    with pytest.raises(TypeError, match="TorchVersion"):  # a str subclass the loader refuses
+        save_checkpoint(tmp_path, 1, {"meta": {"torch": torch.__version__}})
     # A file holding an arbitrary object (not written by save_checkpoint) is refused on load.
     torch.save({"bad": Path("x")}, checkpoint_path(tmp_path, 5))
     with pytest.warns(RuntimeWarning), pytest.raises(CheckpointError, match="000000005.pt"):
@@ -82,3 +90,59 @@ def test_no_checkpoint_gives_none(tmp_path: Path) -> None:
 def test_bad_arguments(tmp_path: Path, step: int, keep: int) -> None:
     with pytest.raises(ValueError):
         save_checkpoint(tmp_path, step, {}, keep=keep)
+
+
+def test_newest_at_most_a_step(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, state(step), keep=3)
+    found = load_newest_checkpoint(tmp_path, at_most=2)
+    assert found is not None and found[0] == 2 and found[1]["step"] == 2
+    assert load_newest_checkpoint(tmp_path, at_most=0) is None
+    assert checkpoint_step(checkpoint_path(tmp_path, 12)) == 12
+    with pytest.raises(ValueError, match="checkpoint-<step>"):
+        checkpoint_step(tmp_path / "model.pt")
+
+
+def test_agreed_checkpoint_without_a_process_group_is_the_newest(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 1, state(1))
+    newest = save_checkpoint(tmp_path, 2, state(2))
+    newest.write_bytes(b"garbage")
+    with pytest.warns(RuntimeWarning, match=newest.name):
+        loaded = load_agreed_checkpoint(tmp_path)
+    assert loaded is not None and loaded["step"] == 1
+    assert load_agreed_checkpoint(tmp_path / "absent") is None
+
+
+def _agreed_steps(roots: list[str]) -> list[int | None]:
+    import torch.distributed as dist
+
+    steps = []
+    for root in roots:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            loaded = load_agreed_checkpoint(Path(root) / f"rank-{dist.get_rank()}")
+        steps.append(None if loaded is None else loaded["step"])
+    return steps
+
+
+#: (rank 0's steps, rank 1's steps, rank 1's damaged steps, the step both ranks must load)
+AGREEMENT_CASES = [
+    ((2, 3, 4), (2, 3, 4), (4,), 3),  # rank 1's newest is damaged: both take step 3
+    ((2, 4), (2, 3, 4), (4,), 2),     # rank 1 falls to 3, which rank 0 lacks: both take 2
+    ((3, 4), (2, 3), (3,), None),     # no step both ranks can read: both start afresh
+]
+
+
+@pytest.mark.distributed
+def test_ranks_agree_on_the_newest_step_all_can_read(tmp_path: Path) -> None:
+    roots = []
+    for case, (rank0, rank1, broken1, _) in enumerate(AGREEMENT_CASES):
+        roots.append(str(tmp_path / str(case)))
+        for rank, steps in enumerate((rank0, rank1)):
+            for step in steps:
+                path = save_checkpoint(tmp_path / str(case) / f"rank-{rank}", step, state(step),
+                                       keep=5)
+                if rank == 1 and step in broken1:
+                    path.write_bytes(path.read_bytes()[:50])
+    expected = [agreed for *_, agreed in AGREEMENT_CASES]
+    assert run_local(_agreed_steps, 2, roots, timeout=120) == [expected, expected]

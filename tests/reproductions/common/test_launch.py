@@ -61,3 +61,16 @@ def test_two_processes_join_a_gloo_group() -> None:
         results = manager.dict()
         mp.spawn(_worker, args=(port, results), nprocs=2, join=True)
         assert dict(results) == {0: (True, 3.0, 1, "1"), 1: (False, 3.0, 1, "1")}
+
+
+def _rank_sum(offset: float) -> tuple[int, float, int]:
+    value = torch.tensor([float(dist.get_rank()) + offset])
+    dist.all_reduce(value)
+    return dist.get_rank(), value.item(), torch.get_num_threads()
+
+
+@pytest.mark.distributed
+def test_run_local_returns_each_rank_result() -> None:
+    from reproductions.common.launch import run_local
+
+    assert run_local(_rank_sum, 2, 1.0, timeout=120) == [(0, 3.0, 1), (1, 3.0, 1)]

@@ -91,3 +91,4 @@ def test_revision_and_hardware() -> None:
     assert revision is None or len(revision.removesuffix("-dirty")) == 40
     info = hardware_info(world_size=4, device="cpu")
     assert info["world_size"] == 4 and info["cuda"] is None and info["threads"] >= 1
+    assert type(info["torch"]) is str  # not torch's TorchVersion: weights-only checkpoints

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ def test_offline_run_is_written_and_read_back(tmp_path: Path,
         tracker.summary({"final_loss": 0.33})
         run_dir = tracker.run_dir
     assert run_dir is not None and run_dir.parent == tmp_path / "wandb"
-    history = read_offline_history(run_dir)
+    history = read_offline_history(run_dir, wait_s=30)
     assert [h["_step"] for h in history] == [0, 1, 2, 3]
     assert [h.get("train/loss") for h in history[:3]] == [1.0, 0.5, 1.0 / 3]
     assert history[3]["layer2999/bytes"] == 2999.0
@@ -87,3 +88,11 @@ def test_reader_rejects_other_files(tmp_path: Path) -> None:
     (tmp_path / "run-x.wandb").write_bytes(b"garbage")
     with pytest.raises(ValueError, match="bad header"):
         read_offline_history(tmp_path)
+
+
+def test_reader_waits_at_most_wait_s_for_the_exit_record(tmp_path: Path) -> None:
+    path = tmp_path / "run-x.wandb"
+    path.write_bytes(b":W&B" + (0xBEE1).to_bytes(2, "little") + b"\x00")  # a header, no records
+    started = time.monotonic()
+    assert read_offline_history(path, wait_s=0.3) == []  # still being written: read as it stands
+    assert 0.3 <= time.monotonic() - started < 5

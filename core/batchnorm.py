@@ -1,0 +1,308 @@
+"""Natural-gradient preconditioning of BatchNorm's scale ``γ`` and shift ``β`` (Osawa et al.).
+
+K-FAC's Kronecker factors do not fit BatchNorm, so Osawa et al. precondition its ``2C``
+parameters with an exact Fisher block instead, in one of three shapes (``mode=``):
+
+* ``"unit"``: one ``2×2`` block per channel over ``(γ_c, β_c)`` (the unit-wise Fisher);
+* ``"diagonal"``: the diagonal of the Fisher, ``2C`` scalars;
+* ``"full"``: the whole ``2C×2C`` Fisher of the layer (what the chainerkfac code computes by
+  default; its ``diagonalize`` switch gives ``"diagonal"``).
+
+Per example ``n`` and channel ``c``, with ``x̂`` the input normalised by the batch statistics and
+``δ = B·gy`` (the per-example output gradient; the loss is a batch mean),
+``u_{n,c} = (Σ_t δ_{n,c,t} x̂_{n,c,t}, Σ_t δ_{n,c,t})`` is that example's gradient of ``(γ_c, β_c)``
+(``t`` runs over spatial positions). The Fisher block is ``F = (1/B) Σ_n u_n u_nᵀ`` restricted to
+the chosen shape; the preconditioned gradient is ``(F + λI)⁻¹ ∇``. Blocks are stored as one batch
+of square matrices per layer, ``(K, m, m)``: ``(C, 2, 2)``, ``(2C, 1, 1)`` or ``(1, 2C, 2C)``.
+
+Across processes the batch Fisher blocks of all layers are averaged with one all-reduce, and every
+rank inverts and preconditions every BatchNorm layer (``2C`` parameters each: negligible next to
+the convolutions' factors).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from core.capture import CaptureHooks
+from core.config import check_choice, check_number, check_schedulable, resolve_interval
+from core.factors import RunningFactor
+from core.hyper import Schedulable, value_at
+from core.inverse import DecompositionError, _with_fp64_retry
+
+BN_FISHER_MODES = ("unit", "diagonal", "full")
+
+
+def arrange(gamma: Tensor, beta: Tensor, mode: str) -> Tensor:
+    """Lay out ``(…, C)`` values of ``γ`` and ``β`` as the block vectors ``(…, K, m)`` of ``mode``.
+    """
+    if mode == "unit":
+        return torch.stack([gamma, beta], dim=-1)
+    flat = torch.cat([gamma, beta], dim=-1)
+    return flat.unsqueeze(-1) if mode == "diagonal" else flat.unsqueeze(-2)
+
+
+def split(blocks: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`arrange`: block vectors ``(K, m)`` back to ``(γ, β)`` values."""
+    if mode == "unit":
+        return blocks[..., 0], blocks[..., 1]
+    flat = blocks.flatten(-2)
+    return flat.chunk(2, dim=-1)  # type: ignore[return-value]
+
+
+def per_example_grads(x_hat: Tensor, gy: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-example gradients of ``γ`` and ``β``, ``(B, C)`` each, from ``x̂`` and ``δ``."""
+    n, c = gy.shape[:2]
+    gy, x_hat = gy.reshape(n, c, -1), x_hat.reshape(n, c, -1)
+    return (gy * x_hat).sum(-1), gy.sum(-1)
+
+
+def fisher_blocks(x_hat: Tensor, gy: Tensor, mode: str) -> Tensor:
+    """``(1/B) Σ_n u_n u_nᵀ`` in the block shape of ``mode``, from ``x̂`` and ``δ`` of one batch."""
+    u = arrange(*per_example_grads(x_hat, gy), mode)  # (B, K, m)
+    return torch.einsum("nki,nkj->kij", u, u) / u.shape[0]
+
+
+def damped_block_inverse(blocks: Tensor, damping: float, dtype: torch.dtype) -> Tensor:
+    """``(F + λI)⁻¹`` of a batch of symmetric blocks by Cholesky (retried in fp64 on failure).
+
+    Raises:
+        DecompositionError: if a block is not positive definite even in fp64.
+    """
+
+    def invert(m: Tensor) -> tuple[Tensor]:
+        eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+        chol, info = torch.linalg.cholesky_ex(m + damping * eye)
+        if bool((info != 0).any()):
+            raise RuntimeError("a block is not positive definite")
+        inv = torch.cholesky_inverse(chol)
+        return ((inv + inv.mT) / 2,)
+
+    (inv,) = _with_fp64_retry("cholesky", invert, blocks, dtype)
+    return inv
+
+
+class BatchNormBlock:
+    """Fisher blocks and their damped inverse for one BatchNorm module.
+
+    Args:
+        name: The module's qualified name.
+        module: An affine BatchNorm module.
+        mode: One of :data:`BN_FISHER_MODES`.
+        grad_multiplier: What the captured output gradient is multiplied by besides the batch
+            size (the accumulation steps, since the loss is divided by them).
+    """
+
+    def __init__(self, name: str, module: _BatchNorm, mode: str, grad_multiplier: float) -> None:
+        self.name = name
+        self.module = module
+        self.mode = mode
+        self.grad_multiplier = grad_multiplier
+        self.fisher = RunningFactor()
+        self.inverse: Tensor | None = None
+        self.batch: Tensor | None = None
+        self._normalised: list[Tensor] = []
+        self.failures = 0
+        self.nonfinite_skips = 0
+
+    def capture_input(self, x: Tensor) -> None:
+        """Store ``x̂``, the input normalised with this batch's statistics (as the forward did)."""
+        x = x.float()
+        dims = (0, *range(2, x.dim()))
+        mean = x.mean(dims, keepdim=True)
+        var = x.var(dims, unbiased=False, keepdim=True)
+        self._normalised.append((x - mean) * torch.rsqrt(var + self.module.eps))
+
+    def capture_grad_output(self, gy: Tensor) -> None:
+        """Accumulate the Fisher blocks of the forward call this gradient belongs to.
+
+        Backward visits calls of one forward in reverse order, so the stored inputs are a stack.
+        """
+        x_hat = self._normalised.pop()
+        delta = gy.float() * (gy.shape[0] * self.grad_multiplier)
+        self.fisher.accumulate(fisher_blocks(x_hat, delta, self.mode))
+
+    def grad_blocks(self) -> Tensor | None:
+        """The current gradient of ``(γ, β)`` as block vectors ``(K, m)``, or None."""
+        gamma, beta = self.module.weight, self.module.bias
+        if gamma.grad is None or beta.grad is None:
+            return None
+        return arrange(gamma.grad.float(), beta.grad.float(), self.mode)
+
+    def set_grad(self, blocks: Tensor) -> None:
+        """Write block vectors back into ``.grad`` of ``γ`` and ``β``."""
+        gamma, beta = split(blocks, self.mode)
+        for param, value in ((self.module.weight, gamma), (self.module.bias, beta)):
+            param.grad = value.reshape(param.shape).to(param.dtype).contiguous()
+
+    def update(self, batch: Tensor, decay: float, damping: float) -> None:
+        """Blend a batch of Fisher blocks into the running average and re-invert it.
+
+        A non-finite batch (a NaN or Inf activation or gradient) is skipped, counted and
+        reported; the running blocks and the last good inverse stay as they were.
+        """
+        if not bool(torch.isfinite(batch).all()):
+            self.nonfinite_skips += 1
+            warnings.warn(f"{self.name}: non-finite Fisher batch skipped "
+                          f"({self.nonfinite_skips} so far)", stacklevel=2)
+            return
+        self.fisher.update(batch, decay)
+        self.update_inverse(damping)
+
+    def update_inverse(self, damping: float) -> None:
+        """Recompute ``(F + λI)⁻¹``; on failure keep the last good inverse and count it."""
+        if self.fisher.value is None:
+            return
+        try:
+            self.inverse = damped_block_inverse(self.fisher.value, damping, torch.float32)
+        except DecompositionError as err:
+            self.failures += 1
+            warnings.warn(f"{self.name}: {err}; keeping the last good inverse "
+                          f"({self.failures} failures so far)", stacklevel=2)
+
+    def precondition(self) -> bool:
+        """Replace the gradient by ``(F + λI)⁻¹ ∇``; False (gradient kept) if not possible."""
+        grad = self.grad_blocks()
+        if grad is None or self.inverse is None:
+            return False
+        result = torch.einsum("kij,kj->ki", self.inverse, grad)
+        if not bool(torch.isfinite(result).all()):
+            return False
+        self.set_grad(result)
+        return True
+
+
+class BatchNormPreconditioner:
+    """Preconditions every affine BatchNorm layer's gradient with its Fisher block.
+
+    Usage: ``loss.backward(); bn.step(); optimizer.step()`` (independent of, and composable with,
+    :class:`core.KFACPreconditioner`, which leaves BatchNorm first-order).
+
+    Args:
+        model: The model (or its DDP wrapper).
+        mode: Fisher block shape, one of :data:`BN_FISHER_MODES`.
+        damping: ``λ`` added to the blocks' diagonal (number or callable of the step), > 0.
+        factor_decay: Weight of the old running average in [0, 1); 0 uses each batch's blocks.
+        update_steps: Update the blocks (and their inverses) every this many steps (int or
+            callable of the step, e.g. a relaxed schedule).
+        accumulation_steps: Micro-batches per step; the loss is assumed divided by it.
+        skip_layers: Module-name regexes of BatchNorm layers to leave first-order.
+
+    Raises:
+        ConfigError: on an invalid option, naming it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mode: str = "unit",
+        damping: Schedulable[float] = 1e-3,
+        factor_decay: Schedulable[float] = 0.0,
+        update_steps: Schedulable[int] = 1,
+        accumulation_steps: int = 1,
+        skip_layers: Iterable[str] = (),
+    ) -> None:
+        check_choice("mode", mode, BN_FISHER_MODES)
+        check_schedulable("damping", damping, low=0.0, low_inclusive=False)
+        check_schedulable("factor_decay", factor_decay, low=0.0, high=1.0, high_inclusive=False)
+        check_schedulable("update_steps", update_steps, low=1, integer=True)
+        check_number("accumulation_steps", accumulation_steps, low=1, integer=True)
+        self.mode = mode
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.update_steps = update_steps
+        self.steps = 0
+        self.last_preconditioned = 0
+        skip = list(skip_layers)
+        self.blocks = [
+            BatchNormBlock(name, module, mode, float(accumulation_steps))
+            for name, module in model.named_modules()
+            if isinstance(module, _BatchNorm) and module.affine and module.weight.requires_grad
+            and not any(re.search(rule, name) for rule in skip)
+        ]
+        self._capturing = self._update_due(0)
+        self._hooks = [
+            CaptureHooks(block.module, on_input=block.capture_input,
+                         on_grad_output=block.capture_grad_output,
+                         enabled=lambda: self._capturing)
+            for block in self.blocks
+        ]
+
+    def _update_due(self, step: int) -> bool:
+        return step % resolve_interval("update_steps", self.update_steps, step) == 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update the Fisher blocks when due, then precondition every layer's gradient."""
+        if self._capturing:
+            batches = [block.fisher.take_batch() for block in self.blocks]
+            if all(b is not None for b in batches):
+                self._average_across_ranks(batches)  # type: ignore[arg-type]
+                decay = float(value_at(self.factor_decay, self.steps))
+                damping = float(value_at(self.damping, self.steps))
+                for block, batch in zip(self.blocks, batches, strict=True):
+                    block.update(batch, decay, damping)  # type: ignore[arg-type]
+        self.last_preconditioned = sum(block.precondition() for block in self.blocks)
+        self.steps += 1
+        self._capturing = self._update_due(self.steps)
+
+    @staticmethod
+    def _average_across_ranks(batches: list[Tensor]) -> None:
+        """Average every layer's batch blocks over the ranks with one all-reduce (in place)."""
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        flat = torch.cat([b.flatten() for b in batches])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        offset = 0
+        for b in batches:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    def metrics(self) -> dict[str, float]:
+        """Layers preconditioned at the last step; decomposition failures and skipped non-finite
+        batches so far."""
+        return {"bn/preconditioned_layers": float(self.last_preconditioned),
+                "bn/decomposition_failures": float(sum(b.failures for b in self.blocks)),
+                "bn/nonfinite_skips": float(sum(b.nonfinite_skips for b in self.blocks))}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, mode and every layer's running Fisher blocks and inverse."""
+        return {
+            "steps": self.steps,
+            "mode": self.mode,
+            "layers": {b.name: {"fisher": b.fisher.value, "inverse": b.inverse,
+                                "failures": b.failures, "nonfinite_skips": b.nonfinite_skips}
+                       for b in self.blocks},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; the mode and layers must match."""
+        names = sorted(b.name for b in self.blocks)
+        if state["mode"] != self.mode or sorted(state["layers"]) != names:
+            raise ValueError(f"BatchNorm preconditioner state was saved with mode "
+                             f"{state['mode']!r} and layers {sorted(state['layers'])}; this "
+                             f"one has {self.mode!r} and {names}")
+        for block in self.blocks:
+            saved = state["layers"][block.name]
+            block.fisher.value = saved["fisher"]
+            block.inverse = saved["inverse"]
+            block.failures = int(saved["failures"])
+            block.nonfinite_skips = int(saved["nonfinite_skips"])
+        self.steps = int(state["steps"])
+        self._capturing = self._update_due(self.steps)
+
+    def remove_hooks(self) -> None:
+        """Detach from the model."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

@@ -1,0 +1,58 @@
+"""Command-line error handling shared by the entry points: a user's mistake ends the command with
+one line that says what to fix, never a traceback.
+
+* An invalid configuration value (:class:`core.config.ConfigError`: a typo in ``--set``, a bad
+  config file) exits like argparse's own errors: status 2 and
+  ``<prog>: error: invalid <field>=<value>: expected <allowed values>``.
+* Missing or damaged data, checkpoints that cannot be read and bad results files
+  (:data:`USER_ERRORS`) exit with status 1 and their message, which names the file and the fix.
+
+Any other exception is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from core.config import ConfigError
+from data.errors import CorruptDataError, DataUnavailableError
+from reproductions.common.checkpoint import CheckpointError
+from reproductions.common.results import ResultsError
+
+USER_ERRORS = (DataUnavailableError, CorruptDataError, CheckpointError, ResultsError)
+"""Errors caused by the machine's files rather than the program, reported in one line."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for options that count something (steps, intervals): an int >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not such an integer (argparse names the option).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+@contextmanager
+def exit_on_user_error(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Turn configuration and data errors raised inside the block into a one-line exit.
+
+    Args:
+        parser: The entry point's parser; its ``prog`` starts the message.
+
+    Raises:
+        SystemExit: status 2 for a :class:`ConfigError`, 1 for one of :data:`USER_ERRORS`.
+    """
+    try:
+        yield
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except USER_ERRORS as exc:
+        parser.exit(1, f"{parser.prog}: error: {exc}\n")

@@ -1,0 +1,118 @@
+"""Per-worker computation of a scheme: the FLOP conventions (all in this one place) and the
+accounting of which worker builds, inverts and preconditions what.
+
+Conventions (FLOPs = floating-point operations; a multiply-add is :data:`FLOPS_PER_MAC` = 2):
+
+* **Factor construction**, per layer and factor of dimension ``n`` (``a`` for ``A``, ``g`` for
+  ``G``): the Gram product ``XᵀX`` of the ``rows × n`` row matrix, counted as a full GEMM,
+  ``rows·n²`` multiply-adds = ``2·rows·n²`` FLOPs. So a layer costs ``2·rows·(a² + g²)``.
+  Building the rows (im2col, scaling, symmetrising) is not counted.
+* **Inversion**, per factor of dimension ``n``: ``c·n³`` with ``c`` from
+  :data:`DECOMPOSITION_FLOPS_PER_N3`: ``eigen`` 9 (symmetric QR algorithm with eigenvectors,
+  Golub & Van Loan, *Matrix Computations*, 4th ed., §8.3: ≈ 9n³), ``cholesky`` 1 (Cholesky
+  n³/3 plus the inverse from the factor 2n³/3, i.e. ``cholesky`` + ``cholesky_inverse``),
+  ``inverse`` 2 (LU 2n³/3 plus the inverse from LU 4n³/3, ``torch.linalg.inv``).
+* **Preconditioning** a ``g × a`` gradient: ``eigen`` four GEMMs
+  (``Q_Gᵀ·∇W̄·Q_A`` and back), ``inverse``/``cholesky`` two (``G⁻¹·∇W̄·A⁻¹``), each pair
+  ``2·(g·g·a + g·a·a)`` FLOPs.
+
+Which worker does what comes from the simulated strategy itself
+(:class:`core.distributed.simulate.RankReport`: the layers a rank captures, the factors it
+inverts, the layers it preconditions), so the "busiest worker" follows the scheme's assignment:
+DP-KFAC builds factors only for the layers a rank owns, the other schemes for every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from core.distributed import SimulationReport
+from reproductions.dpkfac.workloads import LayerShape
+
+FLOPS_PER_MAC = 2
+DECOMPOSITION_FLOPS_PER_N3 = {"eigen": 9.0, "cholesky": 1.0, "inverse": 2.0}
+PRECONDITION_GEMM_PAIRS = {"eigen": 2, "cholesky": 1, "inverse": 1}
+
+
+class KernelCost(Protocol):
+    """The cost of each kernel, in FLOPs (:class:`FlopCost`) or seconds (measured)."""
+
+    def factor(self, rows: int, n: int) -> float:
+        """Building one ``n × n`` factor from ``rows`` rows."""
+
+    def decomposition(self, n: int) -> float:
+        """Decomposing or inverting one ``n × n`` factor."""
+
+    def precondition(self, g: int, a: int) -> float:
+        """Preconditioning one ``g × a`` gradient."""
+
+
+@dataclass(frozen=True)
+class FlopCost:
+    """FLOPs of each kernel under the module's conventions.
+
+    Attributes:
+        method: ``"eigen"``, ``"cholesky"`` or ``"inverse"``.
+    """
+
+    method: str = "eigen"
+
+    def factor(self, rows: int, n: int) -> float:
+        return float(FLOPS_PER_MAC * rows * n * n)
+
+    def decomposition(self, n: int) -> float:
+        return DECOMPOSITION_FLOPS_PER_N3[self.method] * float(n) ** 3
+
+    def precondition(self, g: int, a: int) -> float:
+        return float(PRECONDITION_GEMM_PAIRS[self.method] * FLOPS_PER_MAC * (g * g * a + g * a * a))
+
+
+@dataclass(frozen=True)
+class WorkerCompute:
+    """One worker's computation per second-order update, in the unit of the cost used.
+
+    Attributes:
+        rank: The worker.
+        factors: Factor construction.
+        inversion: Decompositions / inversions.
+        precondition: Preconditioning products.
+    """
+
+    rank: int
+    factors: float
+    inversion: float
+    precondition: float
+
+    @property
+    def total(self) -> float:
+        """Factor construction plus inversion: the paper's "computation" of an update."""
+        return self.factors + self.inversion
+
+
+def worker_compute(report: SimulationReport, shapes: Sequence[LayerShape],
+                   cost: KernelCost) -> list[WorkerCompute]:
+    """Each simulated worker's computation of one second-order update.
+
+    Args:
+        report: A simulation of one full update (``steps=1``).
+        shapes: The model's layer shapes at the per-GPU batch.
+        cost: FLOPs or measured seconds per kernel.
+    """
+    by_name: Mapping[str, LayerShape] = {s.name: s for s in shapes}
+    out = []
+    for rank in report.ranks:
+        factors = sum(cost.factor(by_name[n].rows, by_name[n].a_dim)
+                      + cost.factor(by_name[n].rows, by_name[n].g_dim) for n in rank.captured)
+        inversion = sum(cost.decomposition(by_name[n].a_dim if side == "a" else by_name[n].g_dim)
+                        for n, side in rank.inverted)
+        precondition = sum(cost.precondition(by_name[n].g_dim, by_name[n].a_dim)
+                           for n in rank.preconditioned)
+        out.append(WorkerCompute(rank.rank, factors, inversion, precondition))
+    return out
+
+
+def busiest(workers: Sequence[WorkerCompute]) -> WorkerCompute:
+    """The worker with the most factor construction plus inversion (lowest rank on ties)."""
+    return max(workers, key=lambda w: (w.total, -w.rank))

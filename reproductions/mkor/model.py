@@ -1,0 +1,87 @@
+"""The BERT model of the reproduction: ``BertForPreTraining`` from a config, never downloaded.
+
+The pre-training loss is computed here rather than by the model so that its two parts (masked
+language model and next-sentence prediction) can be logged separately; their sum is exactly the
+``loss`` that ``BertForPreTraining`` returns when given both kinds of labels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import BertConfig, BertForPreTraining
+
+from reproductions.mkor.config import MODEL_PRESETS
+
+MAX_POSITIONS = 512
+"""Position embeddings of every preset (BERT's), so a model can run any seq_len up to 512."""
+
+
+def bert_config(preset: str, vocab_size: int, dropout: float) -> BertConfig:
+    """The ``BertConfig`` of a preset (see :data:`reproductions.mkor.config.MODEL_PRESETS`).
+
+    Args:
+        preset: The shape's name, e.g. ``"bert-large"``.
+        vocab_size: The tokenizer's vocabulary, rounded up to a multiple of 8 (as NVIDIA's
+            BERT pads 30522 to 30528) so the decoder's matrix shapes suit tensor cores.
+        dropout: Hidden and attention dropout probability.
+    """
+    padded = -(-vocab_size // 8) * 8
+    return BertConfig(vocab_size=padded, max_position_embeddings=MAX_POSITIONS,
+                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                      **MODEL_PRESETS[preset])
+
+
+def build_model(preset: str, vocab_size: int, dropout: float,
+                init_checkpoint: str | Path | None = None) -> BertForPreTraining:
+    """A freshly initialised ``BertForPreTraining``, optionally loaded from a checkpoint.
+
+    Args:
+        preset: The shape's name.
+        vocab_size: The tokenizer's vocabulary size.
+        dropout: Dropout probability.
+        init_checkpoint: A ``save_pretrained`` directory or a ``.pt`` model state dict (e.g. a
+            warm start's or phase 1's final weights); None keeps the random initialisation.
+
+    Raises:
+        FileNotFoundError: ``init_checkpoint`` does not exist.
+        ValueError: its weights do not fit the preset (the message lists the mismatches).
+    """
+    model = BertForPreTraining(bert_config(preset, vocab_size, dropout))
+    if init_checkpoint is None:
+        return model
+    path = Path(init_checkpoint).expanduser()
+    if path.is_dir():
+        state = BertForPreTraining.from_pretrained(path, local_files_only=True).state_dict()
+    elif path.is_file():
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"init_checkpoint {path} does not exist")
+    own = model.state_dict()
+    bad = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    missing = sorted(set(own) - set(state))
+    if bad or missing:
+        raise ValueError(f"{path} does not fit model {preset!r}: shape mismatches {bad[:5]}, "
+                         f"missing {missing[:5]}")
+    model.load_state_dict(state, strict=False)
+    return model
+
+
+def pretraining_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward a batch and return ``(mlm + nsp, mlm, nsp)`` losses (means over the batch).
+
+    Args:
+        model: A ``BertForPreTraining`` (or its DDP wrapper).
+        batch: ``input_ids``, ``token_type_ids``, ``attention_mask``, ``labels`` (-100 where not
+            masked) and ``next_sentence_label``.
+    """
+    out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                attention_mask=batch["attention_mask"])
+    logits = out.prediction_logits
+    mlm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                          batch["labels"].reshape(-1), ignore_index=-100)
+    nsp = F.cross_entropy(out.seq_relationship_logits.float(), batch["next_sentence_label"])
+    return mlm + nsp, mlm, nsp

@@ -1,0 +1,171 @@
+"""SQuAD v1.1 fine-tuning of a pre-trained model (the paper's Table 2).
+
+Run with ``python -m reproductions.mkor.squad``, e.g.:
+
+    python -m reproductions.mkor.squad --data-dir squad \\
+        --model runs/mkor/bert_large_phase2/mkor-s0/model
+
+``--data-dir`` holds the official ``train-v1.1.json`` and ``dev-v1.1.json``. The recipe is the
+MKOR repository's (``run_squad_local.sh``): lr 3e-5, 2 epochs, sequence 384, document stride
+128. Contexts longer than a sequence are split into overlapping windows; the answer is the
+best-scoring span (at most 30 tokens) over a question's windows, scored with the official v1.1
+exact-match and F1. No SQuAD data is available offline: this script is tested on tiny files in
+the official format only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import string
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from torch import nn
+from transformers import AutoTokenizer, BertForQuestionAnswering, default_data_collator
+
+from reproductions.mkor.finetune import add_finetune_arguments, fine_tune
+
+MAX_ANSWER_TOKENS = 30
+
+
+def read_squad(path: Path) -> list[dict[str, Any]]:
+    """Questions of a SQuAD v1.1 file: ``id``, ``question``, ``context``, ``answers`` (texts) and
+    ``answer_start`` (character offset of the first answer).
+
+    Raises:
+        FileNotFoundError: the file is missing (the message names the expected files).
+        ValueError: the file is not SQuAD v1.1 JSON.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --data-dir must hold the official "
+                                "train-v1.1.json and dev-v1.1.json")
+    try:
+        articles = json.loads(path.read_text(encoding="utf-8"))["data"]
+        return [{"id": qa["id"], "question": qa["question"], "context": paragraph["context"],
+                 "answers": [a["text"] for a in qa["answers"]],
+                 "answer_start": qa["answers"][0]["answer_start"]}
+                for article in articles for paragraph in article["paragraphs"]
+                for qa in paragraph["qas"]]
+    except (KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not SQuAD v1.1 JSON ({type(exc).__name__}: {exc})") from None
+
+
+def normalize_answer(text: str) -> str:
+    """The official v1.1 normalisation: lower case, no punctuation, articles or extra spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def exact_match_and_f1(prediction: str, answers: list[str]) -> tuple[float, float]:
+    """The official v1.1 scores of one prediction: the best over the gold answers."""
+    def f1(gold: str) -> float:
+        predicted, truth = normalize_answer(prediction).split(), normalize_answer(gold).split()
+        common = sum((Counter(predicted) & Counter(truth)).values())
+        if common == 0:
+            return 0.0
+        precision, recall = common / len(predicted), common / len(truth)
+        return 2 * precision * recall / (precision + recall)
+
+    exact = max(float(normalize_answer(prediction) == normalize_answer(a)) for a in answers)
+    return exact, max(f1(a) for a in answers)
+
+
+def windows(tokenizer: Any, questions: list[dict[str, Any]], max_len: int,
+            stride: int) -> dict[str, list]:
+    """Tokenised (question, context window) pairs, with each window's example index and
+    offsets (None outside the context)."""
+    encoded = tokenizer([q["question"] for q in questions], [q["context"] for q in questions],
+                        truncation="only_second", max_length=max_len, stride=stride,
+                        return_overflowing_tokens=True, return_offsets_mapping=True,
+                        padding="max_length")
+    encoded["offset_mapping"] = [
+        [offset if sequence_id == 1 else None
+         for offset, sequence_id in zip(offsets, encoded.sequence_ids(i), strict=True)]
+        for i, offsets in enumerate(encoded["offset_mapping"])]
+    return dict(encoded)
+
+
+def training_features(tokenizer: Any, questions: list[dict[str, Any]], max_len: int,
+                      stride: int) -> Dataset:
+    """Windows labelled with the answer's token span (the [CLS] token when the answer is not
+    wholly inside the window)."""
+    encoded = windows(tokenizer, questions, max_len, stride)
+    starts, ends = [], []
+    for offsets, example in zip(encoded["offset_mapping"], encoded["overflow_to_sample_mapping"],
+                                strict=True):
+        question = questions[example]
+        first = question["answer_start"]
+        last = first + len(question["answers"][0])
+        inside = [i for i, o in enumerate(offsets) if o is not None and o[0] < last
+                  and o[1] > first]
+        whole = inside and offsets[inside[0]][0] <= first and offsets[inside[-1]][1] >= last
+        starts.append(inside[0] if whole else 0)
+        ends.append(inside[-1] if whole else 0)
+    keep = ("input_ids", "token_type_ids", "attention_mask")
+    return Dataset.from_dict({**{k: encoded[k] for k in keep}, "start_positions": starts,
+                              "end_positions": ends})
+
+
+def best_spans(start_logits: torch.Tensor, end_logits: torch.Tensor,
+               offsets: list[list[tuple[int, int] | None]], examples: list[int],
+               questions: list[dict[str, Any]]) -> dict[str, str]:
+    """Each question's highest-scoring context span (start <= end, at most 30 tokens) over all
+    its windows."""
+    best: dict[int, tuple[float, str]] = defaultdict(lambda: (-float("inf"), ""))
+    for w, example in enumerate(examples):
+        scores = start_logits[w][:, None] + end_logits[w][None, :]
+        length = scores.shape[0]
+        allowed = torch.ones(length, length, dtype=torch.bool).triu().tril(MAX_ANSWER_TOKENS - 1)
+        valid = torch.tensor([o is not None for o in offsets[w]])
+        allowed &= valid[:, None] & valid[None, :]
+        scores = scores.masked_fill(~allowed, -float("inf"))
+        flat = int(scores.argmax())
+        start, end = divmod(flat, length)
+        score = float(scores[start, end])
+        if score > best[example][0]:
+            context = questions[example]["context"]
+            best[example] = (score, context[offsets[w][start][0]:offsets[w][end][1]])
+    return {questions[e]["id"]: text for e, (_, text) in best.items()}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Fine-tune on SQuAD v1.1 train and score dev; returns the results data."""
+    parser = argparse.ArgumentParser(prog="python -m reproductions.mkor.squad",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_finetune_arguments(parser, lr=3e-5, epochs=2, batch_size=32, max_seq_len=384)
+    parser.add_argument("--doc-stride", type=int, default=128,
+                        help="tokens shared by consecutive context windows (default 128)")
+    args = parser.parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    model = BertForQuestionAnswering.from_pretrained(args.model, local_files_only=True)
+    train = training_features(tokenizer, read_squad(args.data_dir / "train-v1.1.json"),
+                              args.max_seq_len, args.doc_stride)
+    dev_questions = read_squad(args.data_dir / "dev-v1.1.json")
+    dev = windows(tokenizer, dev_questions, args.max_seq_len, args.doc_stride)
+
+    def evaluate(model: nn.Module, device: torch.device) -> dict[str, float]:
+        starts, ends = [], []
+        for i in range(0, len(dev["input_ids"]), args.batch_size):
+            batch = {k: torch.tensor(dev[k][i:i + args.batch_size], device=device)
+                     for k in ("input_ids", "token_type_ids", "attention_mask")}
+            out = model(**batch)
+            starts.append(out.start_logits.float().cpu())
+            ends.append(out.end_logits.float().cpu())
+        predictions = best_spans(torch.cat(starts), torch.cat(ends), dev["offset_mapping"],
+                                 dev["overflow_to_sample_mapping"], dev_questions)
+        scores = [exact_match_and_f1(predictions.get(q["id"], ""), q["answers"])
+                  for q in dev_questions]
+        return {"exact_match": 100 * sum(s[0] for s in scores) / len(scores),
+                "f1": 100 * sum(s[1] for s in scores) / len(scores)}
+
+    return fine_tune(model, train, default_data_collator, evaluate, args, task="squad-v1.1")
+
+
+if __name__ == "__main__":
+    main()

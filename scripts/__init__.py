@@ -1,0 +1,1 @@
+"""Docs and dashboard generation; run the modules with ``python -m scripts.<name>``."""

@@ -1,0 +1,174 @@
+"""BatchNorm Fisher preconditioning against naive float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.batchnorm import BN_FISHER_MODES, BatchNormPreconditioner, arrange, split
+from core.config import ConfigError
+
+
+def make_model(inplace: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(inplace=inplace),
+        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(12, 4), nn.BatchNorm1d(4),
+        nn.ReLU(inplace=inplace), nn.Linear(4, 3),
+    )
+    for bn in (model[1], model[6]):  # non-trivial scale and shift
+        nn.init.normal_(bn.weight, 1.0, 0.3)
+        nn.init.normal_(bn.bias, 0.0, 0.3)
+    return model
+
+
+def reference_per_example(model: nn.Module, x: Tensor, y: Tensor) -> dict[int, Tensor]:
+    """``u_n`` of each BatchNorm (index in the Sequential), ``(N, C, 2)``, by explicit autograd.
+
+    ``x̂`` comes from ``F.batch_norm`` with unit scale and zero shift; ``gy`` from retaining the
+    gradient of each BatchNorm output in a float64 copy without in-place ops.
+    """
+    ref = make_model(inplace=False).double()
+    ref.load_state_dict(model.state_dict())
+    h, kept = x.double(), {}
+    for index, layer in enumerate(ref):
+        if isinstance(layer, nn.BatchNorm1d | nn.BatchNorm2d):
+            x_hat = F.batch_norm(h, None, None, training=True, eps=layer.eps).detach()
+            h = layer(h)
+            h.retain_grad()
+            kept[index] = (x_hat, h)
+        else:
+            h = layer(h)
+    F.cross_entropy(h, y).backward()
+    out = {}
+    n = x.shape[0]
+    for index, (x_hat, out_h) in kept.items():
+        rows = []
+        for example in range(n):
+            c = out_h.shape[1]
+            gy = (n * out_h.grad[example]).reshape(c, -1)
+            xh = x_hat[example].reshape(c, -1)
+            rows.append(torch.stack([(gy * xh).sum(1), gy.sum(1)], dim=-1))
+        out[index] = torch.stack(rows)
+    return out
+
+
+def reference_fisher(u: Tensor, mode: str) -> Tensor:
+    """The dense ``2C×2C`` Fisher ``(1/N) Σ v vᵀ`` (``v = [γ…, β…]``) masked to ``mode``'s shape."""
+    n, c = u.shape[0], u.shape[1]
+    v = torch.cat([u[..., 0], u[..., 1]], dim=1)
+    dense = sum(torch.outer(row, row) for row in v) / n
+    if mode == "full":
+        return dense
+    mask = torch.eye(2 * c, dtype=torch.bool)
+    if mode == "unit":
+        mask = mask | torch.eye(2 * c, dtype=torch.bool).roll(c, 1) | torch.eye(
+            2 * c, dtype=torch.bool).roll(-c, 1)
+    return dense * mask
+
+
+def dense_from_blocks(blocks: Tensor, mode: str, c: int) -> Tensor:
+    """Expand stored ``(K, m, m)`` blocks into the dense ``2C×2C`` matrix in ``[γ…, β…]`` order."""
+    dense = torch.zeros(2 * c, 2 * c, dtype=blocks.dtype)
+    if mode == "full":
+        return blocks[0]
+    if mode == "diagonal":
+        return torch.diag(blocks.flatten())
+    for ch in range(c):
+        for i in range(2):
+            for j in range(2):
+                dense[ch + i * c, ch + j * c] = blocks[ch, i, j]
+    return dense
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(6, 2, 5, 5, generator=gen), torch.randint(0, 3, (6,), generator=gen)
+
+
+@pytest.mark.parametrize("mode", BN_FISHER_MODES)
+def test_fisher_blocks_and_preconditioned_grads_match_dense_reference(mode: str) -> None:
+    model = make_model()
+    x, y = batch()
+    reference_u = reference_per_example(model, x, y)
+    precond = BatchNormPreconditioner(model, mode=mode, damping=0.1)
+    F.cross_entropy(model(x), y).backward()
+    raw = {i: torch.cat([model[i].weight.grad, model[i].bias.grad]).double() for i in (1, 6)}
+    precond.step()
+    for block, index in zip(precond.blocks, (1, 6), strict=True):
+        u = reference_u[index]
+        # the mean of the per-example gradients is autograd's gradient
+        assert torch.allclose(u.mean(0).mT.flatten(), raw[index], atol=1e-5)
+        expected = reference_fisher(u, mode)
+        got = dense_from_blocks(block.fisher.value.double(), mode, u.shape[1])
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+        damped = expected + 0.1 * torch.eye(expected.shape[0], dtype=torch.float64)
+        want = torch.linalg.solve(damped, raw[index])
+        bn = model[index]
+        got_p = torch.cat([bn.weight.grad, bn.bias.grad]).double()
+        assert torch.allclose(got_p, want, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", BN_FISHER_MODES)
+def test_arrange_and_split_are_inverse(mode: str) -> None:
+    gamma, beta = torch.arange(4.0), torch.arange(4.0) + 10
+    blocks = arrange(gamma, beta, mode)
+    assert blocks.shape == {"unit": (4, 2), "diagonal": (8, 1), "full": (1, 8)}[mode]
+    back = split(blocks, mode)
+    assert torch.equal(back[0], gamma) and torch.equal(back[1], beta)
+
+
+def test_accumulation_averages_micro_batch_blocks() -> None:
+    x, y = batch()
+    whole = make_model()
+    one = BatchNormPreconditioner(whole, mode="unit", damping=0.1)
+    per_half = []
+    for half in (slice(0, 3), slice(3, 6)):
+        m = make_model()
+        p = BatchNormPreconditioner(m, mode="unit", damping=0.1)
+        F.cross_entropy(m(x[half]), y[half]).backward()
+        p.step()
+        per_half.append([b.fisher.value for b in p.blocks])
+    acc = BatchNormPreconditioner(whole, mode="unit", damping=0.1, accumulation_steps=2)
+    one.remove_hooks()
+    for half in (slice(0, 3), slice(3, 6)):
+        (F.cross_entropy(whole(x[half]), y[half]) / 2).backward()
+    acc.step()
+    for block, a, b in zip(acc.blocks, *per_half, strict=True):
+        assert torch.allclose(block.fisher.value, (a + b) / 2, atol=1e-5)
+
+
+def test_update_interval_running_average_and_state_round_trip() -> None:
+    model = make_model()
+    x, y = batch()
+    precond = BatchNormPreconditioner(model, mode="diagonal", damping=0.1, factor_decay=0.5,
+                                      update_steps=2)
+    values = []
+    for step in range(3):
+        model.zero_grad()
+        F.cross_entropy(model(x + step), y).backward()
+        precond.step()
+        values.append(precond.blocks[0].fisher.value.clone())
+    assert torch.equal(values[0], values[1])  # step 1 is not an update step
+    assert not torch.equal(values[1], values[2])
+    fresh = BatchNormPreconditioner(make_model(), mode="diagonal", damping=0.1, update_steps=2)
+    fresh.load_state_dict(precond.state_dict())
+    assert fresh.steps == 3 and torch.equal(fresh.blocks[0].fisher.value, values[2])
+    with pytest.raises(ValueError, match="mode"):
+        BatchNormPreconditioner(make_model(), mode="unit").load_state_dict(precond.state_dict())
+
+
+def test_evaluation_passes_are_not_captured_and_bad_options_are_rejected() -> None:
+    model = make_model()
+    precond = BatchNormPreconditioner(model, mode="unit")
+    model.eval()
+    with torch.no_grad():
+        model(batch()[0])
+    assert all(b.fisher.pending is None for b in precond.blocks)
+    with pytest.raises(ConfigError, match="mode"):
+        BatchNormPreconditioner(model, mode="kron")
+    with pytest.raises(ConfigError, match="damping"):
+        BatchNormPreconditioner(model, damping=0.0)
+    assert len(BatchNormPreconditioner(model, skip_layers=[r"^6$"]).blocks) == 1

@@ -1,0 +1,71 @@
+"""The tables schema: validation, a write/load round trip, Markdown."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from reproductions.common.tables import (
+    SCHEMA,
+    Table,
+    TablesError,
+    load_tables,
+    markdown_grid,
+    write_tables,
+)
+
+
+def table() -> Table:
+    return Table("D1", "Communication", "exact", ["model", "paper", "ours (MB)"],
+                 [["ResNet-50", "2.79–3.15×", 1211.6], ["x | y", None, math.nan]],
+                 notes="from the ledger")
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = write_tables(tmp_path / "t.json", "dpkfac", [table()])
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA and data["tables"][0]["rows"][1] == ["x | y", None, None]
+    paper, (loaded,) = load_tables(path)
+    assert paper == "dpkfac"
+    assert loaded == Table("D1", "Communication", "exact", ["model", "paper", "ours (MB)"],
+                           [["ResNet-50", "2.79–3.15×", 1211.6], ["x | y", None, None]],
+                           "from the ledger")
+    assert loaded.column("ours (MB)") == [1211.6, None]
+
+
+def test_markdown() -> None:
+    text = table().markdown()
+    assert text.splitlines()[0] == "### D1: Communication (exact)"
+    assert "| ResNet-50 | 2.79–3.15× | 1,211.6 |" in text
+    assert "| x \\| y | — | — |" in text
+    assert text.endswith("from the ledger")
+
+
+def test_markdown_grid_keeps_every_text_in_its_cell() -> None:
+    assert markdown_grid(["a|b", "c"], [["x\ny", "z"]]).splitlines() == [
+        "| a\\|b | c |", "|---|---|", "| x y | z |"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"kind": "guessed"}, "kind must be one of"),
+    ({"rows": [["a"]]}, "rows\\[0\\] has 1 cells for 3 columns"),
+    ({"rows": [["a", True, 1]]}, "must be a string, a number or null"),
+    ({"notes": ["a list"]}, "notes must be a string"),
+])
+def test_invalid_tables(change: dict, message: str) -> None:
+    fields = {"id": "D1", "title": "t", "kind": "exact", "columns": ["a", "b", "c"],
+              "rows": [], **change}
+    with pytest.raises(TablesError, match=message):
+        Table(**fields)
+
+
+def test_load_names_the_file_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"schema": SCHEMA, "paper": "p", "tables": [{"id": "D1"}]}))
+    with pytest.raises(TablesError, match=r"bad.json: tables\[0\]: field 'title'"):
+        load_tables(path)
+    with pytest.raises(TablesError, match="ids repeat"):
+        write_tables(tmp_path / "t.json", "p", [table(), table()])

@@ -1,0 +1,62 @@
+"""`python -m reproductions.dpkfac.tables --quick` end to end, and D5 from a results file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reproductions.common.results import RunRecorder
+from reproductions.common.tables import load_tables
+from reproductions.dpkfac.tables import PAPER_CONVERGENCE, convergence_table, main
+from reproductions.dpkfac.validation import validate
+from reproductions.dpkfac.workloads import DP_KFAC, SCHEMES
+
+
+def test_quick_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    output = tmp_path / "tables.json"
+    main(["--quick", "--output", str(output), "--results-dir", str(tmp_path)])
+    paper, tables = load_tables(output)
+    assert paper == "dpkfac"
+    by_id = {t.id: t for t in tables}
+    assert list(by_id) == ["D1", "D2", "D3", "D1-D3", "D4", "D5"]
+    assert "### D1: Communication per worker" in capsys.readouterr().out
+    d1 = by_id["D1"]
+    rows = {row[1]: dict(zip(d1.columns, row, strict=True)) for row in d1.rows}
+    assert list(rows) == [s.label for s in SCHEMES]
+    assert rows["DP-KFAC"]["ours: factor comm (MB)"] == 0
+    assert all(r["ours: factor comm (MB)"] > 0 for label, r in rows.items() if label != "DP-KFAC")
+    for table in tables:
+        assert table.columns.count("paper") + sum(c.startswith("paper:") for c in table.columns)
+        assert any(c.startswith("ours") for c in table.columns) and table.notes
+    ratios = by_id["D1-D3"]
+    assert len(ratios.rows) == 3 * (len(SCHEMES) - 1)
+    assert all(row[4] > 1 for row in ratios.rows)  # DP-KFAC wins every metric at P = 8
+    d4 = by_id["D4"]
+    for row in d4.rows:
+        assert row[-1] == pytest.approx(sum(row[3:-1]))
+    assert by_id["D5"].rows == []
+
+
+def test_convergence_table_reads_results(tmp_path: Path) -> None:
+    recorder = RunRecorder(paper="dpkfac", experiment="fashion_mnist", optimizer="dp-kfac",
+                           config={}, world_size=4)
+    recorder.log_step(0, loss=2.3, time_s=0.1)
+    recorder.update(summary={"final_test_accuracy": 0.9, "best_test_accuracy": 0.91,
+                             "epochs": 2.0, "steps": 936})
+    recorder.finish()
+    recorder.write(tmp_path / "fashion_mnist-dp-kfac.json")
+    (tmp_path / "fashion_mnist-broken.json").write_text("{")
+    table = convergence_table(tmp_path)
+    assert table.rows == [["dp-kfac", PAPER_CONVERGENCE, 4, 2.0, 936, 0.9, 0.91, None, None,
+                           "finished"]]
+    assert "Skipped fashion_mnist-broken.json" in table.notes
+
+
+@pytest.mark.distributed
+def test_validation_on_two_processes() -> None:
+    check = validate([2], [DP_KFAC], steps=2, sizes=(4096, 65536), reps=1, timeout=120)
+    network = check.networks[2]
+    assert network.alpha_s >= 0 and network.bandwidth > 0
+    assert {c.stage for c in check.checks} == {"grad_allreduce", "inverse_comm", "grad_comm"}
+    assert all(c.predicted_s > 0 and c.measured_s > 0 for c in check.checks)

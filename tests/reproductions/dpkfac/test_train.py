@@ -1,0 +1,54 @@
+"""A two-step DP-KFAC run on 2 gloo workers: results file, checkpoints, W&B, resume."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from reproductions.common.checkpoint import list_checkpoints
+from reproductions.common.results import load_results
+from reproductions.dpkfac.train import DEFAULT_CONFIG, TrainConfig, batch_indices, main
+
+
+def test_default_config_file_is_the_dataclass_default() -> None:
+    assert TrainConfig.from_file(DEFAULT_CONFIG) == TrainConfig()
+
+
+def test_batches_are_seeded_permutations() -> None:
+    first = batch_indices(0, 10, 6, 60, seed=0)
+    assert first.tolist() == batch_indices(0, 10, 6, 60, seed=0).tolist()
+    epoch = [i for step in range(10) for i in batch_indices(step, 10, 6, 60, 0).tolist()]
+    assert sorted(epoch) == list(range(60))
+    assert batch_indices(10, 10, 6, 60, 0).tolist() != first.tolist()
+
+
+@pytest.mark.distributed
+def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(asdict(TrainConfig(test_examples=200))))
+    args = ["--optimizer", "dp-kfac", "--workers", "2", "--config", str(config),
+            "--out", str(tmp_path / "results"), "--run-dir", str(tmp_path / "run")]
+    main([*args, "--max-steps", "2"])
+    path = tmp_path / "results" / "fashion_mnist-dp-kfac.json"
+    run = load_results(path)
+    assert [s["step"] for s in run["steps"]] == [0, 1] and run["finished"]
+    assert run["hardware"]["world_size"] == 2 and run["wandb"]["mode"] == "offline"
+    assert {"grad_allreduce", "inverse_comm", "grad_comm"} == set(run["ledger"])
+    assert run["memory"]["kfac_factors"] > 0 and run["summary"]["kfac_layers"] == 4
+    assert 0.0 <= run["summary"]["final_test_accuracy"] <= 1.0
+    for rank in (0, 1):
+        saved = list_checkpoints(tmp_path / "run" / "checkpoints" / "fashion_mnist-dp-kfac"
+                                 / f"rank{rank}")
+        assert [p.name for p in saved] == ["checkpoint-000000001.pt"]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+    main([*args, "--max-steps", "3"])  # resumes after step 1
+    resumed = load_results(path)
+    assert [s["step"] for s in resumed["steps"]] == [0, 1, 2]
+    assert resumed["steps"][:2] == run["steps"] and resumed["wandb"]["id"] == run["wandb"]["id"]
+    for stage in ("forward_backward", "factors", "grad_comm"):  # times of the whole run
+        assert resumed["optimizer_stage_time_s"][stage] > run["optimizer_stage_time_s"][stage]

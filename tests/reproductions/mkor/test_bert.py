@@ -1,0 +1,111 @@
+"""The entry point: a 3-step run of each optimizer, results schema, W&B, resume, --help."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from reproductions.common.launch import run_local
+from reproductions.common.results import load_results
+from reproductions.common.tracking import read_offline_history
+from reproductions.mkor import bert
+from reproductions.mkor.config import field_help
+
+OPTIMIZERS = ["lamb", "kfac", "mkor", "mkor-h", "eva"]
+
+
+def test_three_steps_of_each_optimizer(run_args: list[str], tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    runs = bert.main([*run_args, "--wandb", "auto"])
+    assert [r["optimizer"] for r in runs] == OPTIMIZERS
+    out = capsys.readouterr().out
+    assert "| optimizer | steps | final loss |" in out
+    for name in OPTIMIZERS:
+        here = tmp_path / "out" / "tiny" / f"{name}-s0"
+        results = load_results(here / "results.json")  # validates the schema
+        assert [s["step"] for s in results["steps"]] == [0, 1, 2]
+        assert all(math.isfinite(s["loss"]) and s["time_s"] > 0 for s in results["steps"])
+        assert [e["step"] for e in results["evals"]] == [1, 2]
+        assert results["finished"] and results["summary"]["steps"] == 3
+        assert results["config"]["optimizer"] == name and results["hardware"]["cuda"] is None
+        assert results["optimizer_stage_time_s"]["base_step"] > 0
+        assert results["memory"]["first_order_state"] > 0
+        assert f"| {name} | 3 |" in out
+        assert (here / "model" / "config.json").is_file()
+        wandb = results["wandb"]
+        assert (wandb["project"], wandb["group"], wandb["name"], wandb["mode"]) == (
+            "kfac-repro-mkor", "tiny", f"tiny-{name}-0", "offline")
+        run_dir = next((tmp_path / "out" / "tiny" / "wandb").glob(f"offline-run-*-{wandb['id']}"))
+        history = read_offline_history(run_dir)
+        assert [h["train/loss"] for h in history if "train/loss" in h] == [
+            s["loss"] for s in results["steps"]]
+    second_order = load_results(tmp_path / "out" / "tiny" / "mkor-s0" / "results.json")
+    assert second_order["optimizer_stage_time_s"]["precondition"] > 0
+    assert second_order["memory"]["preconditioner_state"] > 0
+    hybrid = load_results(tmp_path / "out" / "tiny" / "mkor-h-s0" / "results.json")
+    assert hybrid["summary"]["switched_to_first_order_at_step"] == 2  # tiny.json's eager rule
+    assert [s["second_order"] for s in hybrid["steps"]] == [1.0, 0.0, 0.0]
+
+
+def test_resume_gives_the_same_losses(run_args: list[str], tmp_path: Path) -> None:
+    common = [*run_args, "--steps", "4", "--wandb", "disabled"]
+    whole = bert.main([*common, "--out", str(tmp_path / "whole")])
+    split = [*common, "--out", str(tmp_path / "split")]
+    interrupted = bert.main([*split, "--stop-after", "2"])
+    assert all(len(r["steps"]) == 2 and not r["finished"] for r in interrupted)
+    resumed = bert.main([*split, "--resume"])
+    for a, b in zip(whole, resumed, strict=True):
+        assert [s["loss"] for s in a["steps"]] == [s["loss"] for s in b["steps"]], a["optimizer"]
+        assert [e["loss"] for e in a["evals"]] == [e["loss"] for e in b["evals"]]
+        assert len(b["steps"]) == 4 and b["finished"]
+
+
+def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bert.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--config", "--optimizers", "--corpus", "--resume", "--stop-after", "--wandb",
+                 "--set", "--init-checkpoint", "--precision", "--data-dir"):
+        assert flag in text
+    for name, _, _ in field_help():
+        assert name in text
+
+
+def test_bad_overrides_name_the_field(run_args: list[str],
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    for extra, field in ((["--set", "lerning_rate=0.1"], "lerning_rate"),
+                         (["--optimizers", "lamb,adam"], "optimizers")):
+        with pytest.raises(SystemExit) as info:  # argparse's exit: status 2, one line
+            bert.main([*run_args, *extra])
+        assert info.value.code == 2
+        assert f"error: invalid {field}" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_two_processes_like_torchrun(run_args: list[str], tmp_path: Path) -> None:
+    args = [*run_args, "--optimizers", "lamb,kfac,mkor", "--wandb", "disabled"]
+    per_rank = run_local(bert.main, 2, args, timeout=300)
+    assert [[s["loss"] for s in r["steps"]] for r in per_rank[0]] == [
+        [s["loss"] for s in r["steps"]] for r in per_rank[1]]  # the loss is the global mean
+    for name, stages in (("lamb", set()), ("kfac", {"factor_comm", "inverse_comm"}),
+                         ("mkor", {"factor_comm"})):
+        results = load_results(tmp_path / "out" / "tiny" / f"{name}-s0" / "results.json")
+        assert results["hardware"]["world_size"] == 2
+        ledger = results["ledger"]
+        assert set(ledger) == stages | {"grad_allreduce"}, name
+        assert ledger["grad_allreduce"]["collectives"] == 3
+        assert all(totals["traffic_bytes"] > 0 for totals in ledger.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision(run_args: list[str], precision: str) -> None:
+    """The GPU's autocast paths, exercised with CPU autocast (fp16 with loss scaling)."""
+    runs = bert.main([*run_args, "--optimizers", "lamb,kfac,mkor", "--precision", precision,
+                      "--wandb", "disabled"])
+    for results in runs:
+        assert results["finished"] and all(math.isfinite(s["loss"]) for s in results["steps"])

@@ -1,0 +1,123 @@
+"""GLUE and SQuAD fine-tuning on tiny files in the official formats, from a tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from reproductions.common.results import load_results
+from reproductions.mkor import data, glue, squad
+from reproductions.mkor.model import build_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(corpus_file: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory
+              ) -> Path:
+    """A tiny pre-trained-model directory as reproductions.mkor.bert writes it."""
+    corpus = data.load_corpus([str(corpus_file)], data_dir=data_dir)
+    tokenizer = data.load_tokenizer("wordpiece", corpus, vocab_size=200, max_length=64,
+                                    data_dir=data_dir)
+    here = tmp_path_factory.mktemp("pretrained") / "mkor-s0" / "model"
+    build_model("tiny", len(tokenizer), dropout=0.1).save_pretrained(here)
+    tokenizer.save_pretrained(here)
+    return here
+
+
+def write_tsv(path: Path, rows: list[list[str]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join("\t".join(row) + "\n" for row in rows), encoding="utf-8")
+
+
+def common_args(data: Path, model: Path, out: Path) -> list[str]:
+    return ["--data-dir", str(data), "--model", str(model), "--out", str(out), "--epochs", "2",
+            "--batch-size", "4", "--max-seq-len", "32", "--device", "cpu", "--wandb",
+            "disabled"]
+
+
+def test_glue_rte_cola_and_stsb(model_dir: Path, tmp_path: Path) -> None:
+    glue_dir = tmp_path / "glue_data"
+    rte = [["index", "sentence1", "sentence2", "label"]] + [
+        [str(i), f'The model "learns" step {i}.', "It learns.",
+         ("entailment", "not_entailment")[i % 2]] for i in range(6)]
+    write_tsv(glue_dir / "RTE" / "train.tsv", rte)
+    write_tsv(glue_dir / "RTE" / "dev.tsv", rte[:4])
+    cola = [["src", str(i % 2), "*" if i % 2 == 0 else "", f"the vector moves {i}"]
+            for i in range(6)]  # CoLA has no header
+    write_tsv(glue_dir / "CoLA" / "train.tsv", cola)
+    write_tsv(glue_dir / "CoLA" / "dev.tsv", cola)
+    sts = [["index", "genre", "filename", "year", "old_index", "source1", "source2",
+            "sentence1", "sentence2", "score"]] + [
+        [str(i), "g", "f", "y", "0", "s", "s", "a small model", "a large model", f"{i * 0.8}"]
+        for i in range(6)]
+    write_tsv(glue_dir / "STS-B" / "train.tsv", sts)
+    write_tsv(glue_dir / "STS-B" / "dev.tsv", sts)
+    for task, metric in (("rte", "accuracy"), ("cola", "mcc"), ("stsb", "pearson")):
+        results = glue.main(["--task", task, *common_args(glue_dir, model_dir, tmp_path / "o")])
+        assert results["optimizer"] == "mkor-s0" and results["experiment"] == f"glue-{task}"
+        assert len(results["steps"]) == 4 and len(results["evals"]) == 2
+        assert -1.0 <= results["summary"][metric] <= 1.0
+        load_results(tmp_path / "o" / f"glue-{task}" / "mkor-s0" / "results.json")
+
+
+def test_glue_errors_name_the_file(model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"MRPC/train.tsv"):
+        glue.main(["--task", "mrpc", *common_args(tmp_path, model_dir, tmp_path / "o")])
+    write_tsv(tmp_path / "RTE" / "train.tsv", [["index", "sentence1", "sentence2", "label"],
+                                               ["0", "a", "b", "maybe"]])
+    with pytest.raises(ValueError, match=r"train.tsv:2: label 'maybe'"):
+        glue.main(["--task", "rte", *common_args(tmp_path, model_dir, tmp_path / "o")])
+
+
+@pytest.mark.parametrize(("metric", "predictions", "labels", "expected"), [
+    ("accuracy", [1, 0, 1], [1, 1, 1], 2 / 3),
+    ("f1", [1, 0, 1, 0], [1, 1, 0, 0], 0.5),
+    ("mcc", [1, 0, 1, 0], [1, 0, 1, 0], 1.0),
+    ("pearson", [1.0, 2.0, 3.0], [2.0, 4.0, 6.0], 1.0),
+])
+def test_glue_metrics(metric: str, predictions: list, labels: list, expected: float) -> None:
+    assert glue.score(metric, predictions, labels) == pytest.approx(expected)
+
+
+def squad_file(path: Path) -> None:
+    context = ("The optimizer keeps a small factor for every layer. The factor is updated "
+               "every ten steps with a rank one update, which is cheap.")
+    qas = [{"id": f"q{i}", "question": question,
+            "answers": [{"text": answer, "answer_start": context.index(answer)}]}
+           for i, (question, answer) in enumerate([
+               ("What does the optimizer keep?", "a small factor"),
+               ("How often is the factor updated?", "every ten steps"),
+               ("What kind of update is it?", "a rank one update")])]
+    path.write_text(json.dumps({"version": "1.1", "data": [
+        {"title": "t", "paragraphs": [{"context": context, "qas": qas}]}]}), encoding="utf-8")
+
+
+def test_squad(model_dir: Path, tmp_path: Path) -> None:
+    squad_dir = tmp_path / "squad"
+    squad_dir.mkdir()
+    for name in ("train-v1.1.json", "dev-v1.1.json"):
+        squad_file(squad_dir / name)
+    # A 32-token window with stride 8 splits the context: answers fall into later windows.
+    results = squad.main([*common_args(squad_dir, model_dir, tmp_path / "o"), "--doc-stride",
+                          "8"])
+    assert results["experiment"] == "squad-v1.1" and len(results["evals"]) == 2
+    assert 0 <= results["summary"]["exact_match"] <= results["summary"]["f1"] <= 100
+
+
+def test_squad_scoring_and_spans(model_dir: Path, tmp_path: Path) -> None:
+    assert squad.exact_match_and_f1("The Factor", ["factor", "x"]) == (1.0, 1.0)
+    assert squad.exact_match_and_f1("small factor here", ["a small factor"]) == (0.0, 0.8)
+    squad_file(tmp_path / "s.json")
+    questions = squad.read_squad(tmp_path / "s.json")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    features = squad.training_features(tokenizer, questions, 32, 8)
+    assert sum(row["start_positions"] > 0 for row in features) >= len(questions)
+    for row in features:  # labelled spans decode to the answer (or point at [CLS])
+        if row["start_positions"]:
+            span = row["input_ids"][row["start_positions"]:row["end_positions"] + 1]
+            assert tokenizer.decode(span) in {q["answers"][0] for q in questions}
+    with pytest.raises(ValueError, match="not SQuAD v1.1"):
+        (tmp_path / "bad.json").write_text('{"data": [{"paragraphs": [{}]}]}')
+        squad.read_squad(tmp_path / "bad.json")

@@ -1,0 +1,132 @@
+"""The training entry point: Fashion-MNIST, a generated image folder, resume, and 2-process gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from core.config import ConfigError
+from data.errors import DataUnavailableError
+from data.fashion_mnist import fashion_mnist
+from data.image_folder import make_tiny_image_folder
+from reproductions.common.checkpoint import list_checkpoints
+from reproductions.common.results import load_results
+from reproductions.osawa2018.config import load_config
+from reproductions.osawa2018.sampling import StreamBatchSampler
+from reproductions.osawa2018.train import main, run
+
+REPO = Path(__file__).resolve().parents[3]
+
+#: Two updates of 64 examples in two micro-batches, evaluated only at the end.
+TINY = {"width": 4, "batch_size": 64, "micro_batch_size": 32, "eval_every_epochs": 1.0,
+        "eval_batch_size": 2500}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fashion_available() -> None:
+    try:
+        fashion_mnist(train=False)
+    except DataUnavailableError as err:
+        pytest.skip(str(err))
+
+
+def final_parameters(out: Path) -> dict[str, torch.Tensor]:
+    """Trainable parameters (not BatchNorm buffers) of rank 0's newest checkpoint."""
+    newest = list_checkpoints(out / "checkpoints" / "rank-0")[-1]
+    model = torch.load(newest, weights_only=True)["trainer"]["model"]
+    return {k: v for k, v in model.items() if "running" not in k and "num_batches" not in k}
+
+
+def test_two_steps_on_fashion_mnist_write_results_and_checkpoint(tmp_path: Path) -> None:
+    main(["--config", "fmnist_default", "--out", str(tmp_path), "--max-steps", "2",
+          "--wandb", "disabled", "--no-progress", "--set",
+          *(f"{k}={v}" for k, v in TINY.items())])
+    results = load_results(tmp_path / "results.json")
+    assert [s["step"] for s in results["steps"]] == [1, 2]
+    assert results["paper"] == "osawa2018" and results["optimizer"] == "kfac"
+    assert results["config"]["bn_fisher"] == "unit" and results["finished"] is None
+    assert results["evals"][-1]["step"] == 2 and 0 <= results["evals"][-1]["test_accuracy"] <= 1
+    assert results["summary"]["planned_steps"] == 1875  # ceil(60,000 · 2 / 64)
+    assert results["optimizer_stage_time_s"]["factors"] > 0
+    assert len(list_checkpoints(tmp_path / "checkpoints" / "rank-0")) == 1
+
+
+@pytest.mark.parametrize("optimizer", ["kfac", "sgd"])
+def test_every_recipe_switch_can_be_turned_off(tmp_path: Path, optimizer: str) -> None:
+    config = load_config("fmnist_default", {**TINY, "optimizer": optimizer, "bn_fisher": "none",
+                                            "mixup_alpha": 0, "erasing_rate": 0,
+                                            "weight_rescaling": False, "adjust_momentum": False,
+                                            "lr_power": 0})
+    results = run(config, out=tmp_path, max_steps=1, wandb="disabled", progress=False)
+    assert results is not None and results["optimizer"] == optimizer
+    assert bool(results["optimizer_stage_time_s"]) == (optimizer == "kfac")
+    with pytest.raises(ConfigError, match="bn_fisher"):
+        load_config("fmnist_default", {"bn_fisher": "kron"})
+    with pytest.raises(ConfigError, match="lr_decay"):
+        load_config("fmnist_default", {"lrdecay": 1})
+
+
+def test_resume_continues_exactly(tmp_path: Path) -> None:
+    config = load_config("fmnist_default", TINY)  # running mixup and erasing on
+    straight = run(config, out=tmp_path / "a", max_steps=3, wandb="disabled", progress=False)
+    run(config, out=tmp_path / "b", max_steps=2, wandb="disabled", progress=False)
+    resumed = run(config, out=tmp_path / "b", max_steps=3, resume=True, wandb="disabled",
+                  progress=False)
+    assert straight is not None and resumed is not None
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in straight["steps"]]
+    a, b = final_parameters(tmp_path / "a"), final_parameters(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_steps_on_a_generated_image_folder(tmp_path: Path) -> None:
+    folder = make_tiny_image_folder(tmp_path / "images", classes=3, per_class=8, size=20)
+    config = load_config("fmnist_default", {
+        "data": "image-folder", "image_size": 16, "width": 4, "batch_size": 12,
+        "micro_batch_size": 6, "eval_batch_size": 8, "epochs": 1.0})
+    results = run(config, out=tmp_path / "out", folder=str(folder), max_steps=2,
+                  wandb="disabled", progress=False)
+    assert results is not None and len(results["steps"]) == 2
+    assert results["evals"][-1]["step"] == 2
+    with pytest.raises(ValueError, match="image-folder"):
+        run(config, out=tmp_path / "x", wandb="disabled", progress=False)
+
+
+def test_stream_sampler_splits_global_batches_across_ranks_and_epochs() -> None:
+    single = iter(StreamBatchSampler(10, 4, 2, seed=3))
+    first_two = [next(single) for _ in range(6)]  # three global batches straddle an epoch
+    flat = [i for batch in first_two for i in batch]
+    assert sorted(flat[:10]) == list(range(10)) and len(set(flat[10:])) == 2
+    ranks = [iter(StreamBatchSampler(10, 4, 2, rank=r, world_size=2, seed=3)) for r in (0, 1)]
+    assert [next(ranks[0]), next(ranks[1])] == first_two[:2]
+    resumed = iter(StreamBatchSampler(10, 4, 2, seed=3, start_step=2))
+    assert [next(resumed), next(resumed)] == first_two[4:6]
+
+
+@pytest.mark.distributed
+def test_two_gloo_processes_with_the_osawa_strategy_match_one_process(tmp_path: Path) -> None:
+    """With augmentation off, 2 processes × 1 micro-batch equal 1 process × 2 micro-batches."""
+    common: dict[str, Any] = {**TINY, "mixup_alpha": 0, "erasing_rate": 0, "strategy": "osawa"}
+    settings = [f"{k}={v}" for k, v in common.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "reproductions.osawa2018.train", "--out", str(tmp_path / "gloo"),
+         "--max-steps", "2", "--wandb", "disabled", "--no-progress", "--set", *settings],
+        cwd=REPO, env=env, check=True, timeout=240, capture_output=True)
+    run(load_config("fmnist_default", common), out=tmp_path / "one", max_steps=2,
+        wandb="disabled", progress=False)
+    results = load_results(tmp_path / "gloo" / "results.json")
+    assert results["hardware"]["world_size"] == 2
+    assert {"factor_comm", "grad_comm"} <= set(results["ledger"])
+    gloo, one = final_parameters(tmp_path / "gloo"), final_parameters(tmp_path / "one")
+    for name, value in one.items():
+        assert torch.allclose(gloo[name], value, rtol=1e-4, atol=1e-5), name
+    rank1 = torch.load(list_checkpoints(tmp_path / "gloo" / "checkpoints" / "rank-1")[-1],
+                       weights_only=True)["trainer"]["model"]
+    assert all(torch.equal(rank1[k], v) for k, v in gloo.items())
