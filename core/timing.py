@@ -10,8 +10,8 @@ from contextlib import contextmanager
 import torch
 
 STAGES = (
-    "capture",          # factor rows from captured tensors (inside the hooks)
-    "factors",          # batch factors from the rows (inside the hooks) and running averages
+    "capture",          # factor rows from captured tensors (MKOR, Eva: statistics, in the hooks)
+    "factors",          # batch factors from the rows, and running averages
     "factor_comm",      # reduce / reduce-scatter of factors
     "inversion",        # decompositions
     "inverse_comm",     # broadcast of inverses or eigenbases
