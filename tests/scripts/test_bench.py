@@ -41,3 +41,38 @@ def test_amortized_step_and_update_schedule() -> None:
     interval = bench.update_schedule(frozenset({0, 2, 5}))
     due = [step for step in range(8) if step % interval(step) == 0]
     assert due == [0, 2, 5]
+
+
+def _row(workload: str, method: str, ratio: float, state_mb: float = 500.0) -> bench.Row:
+    return bench.Row(workload=workload, method=method, interval=10, step_s=ratio, ratio=ratio,
+                     stages_s={}, bound_s={}, work_ratio=1.2, memory_over_base_mb=state_mb,
+                     state_mb=state_mb, memory_ratio=1.0, factor_gemm_fraction=None,
+                     inversion_fraction=None, failures=0)
+
+
+def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible() -> None:
+    peers = bench.Peers(resnet_inverse={"kaisa": 12.5, "mkor": 6.6}, bert_dpkfac=1.26,
+                        bert_mkor=1.19)
+    rows = [_row("resnet18-32", "kfac-inverse", 2.0), _row("bert-small", "mkor", 1.05, 40.0)]
+    goals = {t["target"]: t for t in bench.targets(rows, peers, memory_floor_mb=128.0)}
+    resnet = goals["resnet18-32 kfac-inverse every 10: step speed-up over the fastest peer "
+                   "(6.6x base)"]
+    assert resnet["measured"] == [pytest.approx(3.3)] and resnet["met"] is True
+    literal = next(t for name, t in goals.items() if name.startswith("bert-small mkor every 10: "
+                                                                       "step speed-up"))
+    assert literal["met"] is None and "infeasible" in literal["note"]
+    overhead = next(t for name, t in goals.items() if "overhead over base" in name)
+    assert overhead["measured"] == [pytest.approx(0.19 / 0.05)] and overhead["met"] is True
+    assert goals["bert-small mkor every 10: step / LAMB step"]["met"] is True
+    memory = goals["bert-small mkor: memory over base / (factors + inverses)"]
+    assert memory["met"] is None and "noise" in memory["note"]
+    table = bench.targets_table(list(goals.values()))
+    assert "infeasible as stated" in table and "**not met**" not in table
+
+
+def test_benchmarks_page_shows_the_committed_cpu_run() -> None:
+    """docs/benchmarks.md carries the tables of scripts/results/bench_cpu.json, verbatim."""
+    root = Path(__file__).resolve().parents[2]
+    saved = json.loads((root / "scripts/results/bench_cpu.json").read_text())
+    page = (root / "docs/benchmarks.md").read_text()
+    assert bench.tables_markdown(bench.rerender_targets(saved)["tables"]).strip() in page
