@@ -39,7 +39,7 @@ from core.distributed import Communicator, average_gradients
 from core.timing import StageTimer
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
-from reproductions.common.checkpoint import load_latest_checkpoint, save_checkpoint
+from reproductions.common.checkpoint import load_agreed_checkpoint, save_checkpoint
 from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import (
     DistContext,
@@ -227,13 +227,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     recorder = RunRecorder(paper=PAPER, experiment=config.experiment, optimizer=name,
                            config=run_config, world_size=ctx.world_size, device=ctx.device)
     checkpoints = run_dir / "checkpoints" / f"{config.experiment}-{name}" / f"rank{ctx.rank}"
-    state = load_latest_checkpoint(checkpoints)
-    saved = -1 if state is None else int(state["step"])
-    highest, lowest = _max_over_workers({"max": saved, "min": -saved}, ctx).values()
-    if highest != -lowest:
-        raise RuntimeError(f"the workers' newest checkpoints under {checkpoints.parent} are of "
-                           f"steps {-lowest} to {highest}; delete the newer ones so that every "
-                           "worker resumes from the same step")
+    state = load_agreed_checkpoint(checkpoints, ctx.device)
     step, elapsed, run_id = 0, 0.0, None
     stage_time = StageTimer()
     if state is not None:

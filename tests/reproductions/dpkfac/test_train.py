@@ -52,3 +52,14 @@ def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert resumed["steps"][:2] == run["steps"] and resumed["wandb"]["id"] == run["wandb"]["id"]
     for stage in ("forward_backward", "factors", "grad_comm"):  # times of the whole run
         assert resumed["optimizer_stage_time_s"][stage] > run["optimizer_stage_time_s"][stage]
+
+    # Rank 1 died while writing its newest checkpoint: both workers agree on the older step.
+    newest = [list_checkpoints(tmp_path / "run" / "checkpoints" / "fashion_mnist-dp-kfac"
+                               / f"rank{rank}")[-1] for rank in (0, 1)]
+    assert [p.name for p in newest] == ["checkpoint-000000002.pt"] * 2
+    newest[1].write_bytes(newest[1].read_bytes()[:100])
+    main([*args, "--max-steps", "3"])  # rank 1 warns (in its process) and falls back
+    again = load_results(path)
+    assert [s["step"] for s in again["steps"]] == [0, 1, 2]
+    assert again["steps"][2]["loss"] == resumed["steps"][2]["loss"]
+    assert again["wandb"]["id"] == run["wandb"]["id"]  # resumed, not started afresh
