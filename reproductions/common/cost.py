@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from core.distributed import SimulationReport
-from reproductions.dpkfac.workloads import LayerShape
+from reproductions.common.shapes import LayerShape
 
 FLOPS_PER_MAC = 2
 DECOMPOSITION_FLOPS_PER_N3 = {"eigen": 9.0, "cholesky": 1.0, "inverse": 2.0}

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reproductions.dpkfac.cost import PRECONDITION_GEMM_PAIRS
-from reproductions.dpkfac.workloads import Workload
+from reproductions.common.cost import PRECONDITION_GEMM_PAIRS
+from reproductions.common.shapes import Workload
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _decompose(method: str) -> Callable[[Tensor], object]:
 
 @dataclass
 class KernelTimes:
-    """Measured seconds per kernel, cached per shape (a :class:`~reproductions.dpkfac.cost.
+    """Measured seconds per kernel, cached per shape (a :class:`~reproductions.common.cost.
     KernelCost` in seconds).
 
     Args:
