@@ -10,7 +10,7 @@ workers, every scheme of :data:`~reproductions.dpkfac.workloads.SCHEMES` is simu
 * D1, communication per worker per second-order update, from the ledgers (exact);
 * D2, memory per worker, from the memory reports (exact), plus model state and activations;
 * D3, computation of the busiest worker: factor-construction and inversion FLOPs (exact, the
-  conventions of :mod:`~reproductions.dpkfac.cost`) and the measured time of those kernels here;
+  conventions of :mod:`~reproductions.common.cost`) and the measured time of those kernels here;
 * D1–D3 ratios of DP-KFAC against each baseline, next to the abstract's ranges;
 * D4, a modelled iteration time (measured compute here plus an alpha-beta network), and D4v,
   the model's communication term against real gloo runs at P = 2 and 4;
@@ -31,9 +31,7 @@ from statistics import mean
 import torch
 
 from core.distributed import SimulationReport, simulate
-from reproductions.common.results import ResultsError, load_results
-from reproductions.common.tables import Table, write_tables
-from reproductions.dpkfac.cost import (
+from reproductions.common.cost import (
     DECOMPOSITION_FLOPS_PER_N3,
     FLOPS_PER_MAC,
     FlopCost,
@@ -41,23 +39,23 @@ from reproductions.dpkfac.cost import (
     busiest,
     worker_compute,
 )
-from reproductions.dpkfac.kernels import (
+from reproductions.common.kernels import (
     QUICK_BUDGET,
     Budget,
     KernelTimes,
     PassMeasurement,
     measure_pass,
 )
-from reproductions.dpkfac.timemodel import INFINIBAND_100G, STAGES, AlphaBeta, stage_seconds
+from reproductions.common.results import ResultsError, load_results
+from reproductions.common.shapes import LayerShape, Workload, layer_shapes
+from reproductions.common.tables import Table, write_tables
+from reproductions.common.timemodel import STAGES, AlphaBeta, stage_seconds
 from reproductions.dpkfac.validation import Validation, validate
 from reproductions.dpkfac.workloads import (
     BASELINES,
     DP_KFAC,
     SCHEMES,
     WORKLOADS,
-    LayerShape,
-    Workload,
-    layer_shapes,
     workload,
 )
 
@@ -83,6 +81,13 @@ PAPER_BREAKDOWN = {
     ("Inception-v4", "MPD-KFAC"): "0.134 / 0.267 / 0.460 / 0.755 / 0.803 / 1.147",
 }
 
+INFINIBAND_100G = AlphaBeta(
+    alpha_s=10e-6, bandwidth=100e9 / 8,
+    label="100 Gb/s InfiniBand (the paper's cluster, PAPERS.md §4.3): α = 10 µs per message "
+          "step (a typical NCCL small-message latency, assumed), β = 12.5 GB/s (the line rate: "
+          "an optimistic bandwidth), one GPU per link, no faster intra-node links")
+"""The network of D4 (``--alpha-us`` and ``--bandwidth-gbit`` change it)."""
+
 PAPER_CONVERGENCE = "retains D-KFAC's convergence (abstract; no numbers available)"
 
 VALIDATION_SCHEMES = tuple(s for s in SCHEMES
@@ -99,7 +104,7 @@ class SchemeResult:
             included) when factors travel as packed upper triangles.
         flops: Per-worker FLOPs.
         seconds: Per-worker measured kernel seconds.
-        stages: Modelled seconds per stage of :data:`~reproductions.dpkfac.timemodel.STAGES`.
+        stages: Modelled seconds per stage of :data:`~reproductions.common.timemodel.STAGES`.
     """
 
     report: SimulationReport
@@ -239,7 +244,7 @@ def compute_table(results: Sequence[ModelResult], world_size: int, method: str,
         f"from the simulated strategy). Factor construction: {FLOPS_PER_MAC}·rows·(a² + g²) "
         f"per layer (one GEMM per factor, rows = per-GPU batch × output locations). "
         f"Inversion ({method}): {DECOMPOSITION_FLOPS_PER_N3[method]:g}·n³ per factor "
-        "(`reproductions/dpkfac/cost.py` holds every constant). The seconds columns time the "
+        "(`reproductions/common/cost.py` holds every constant). The seconds columns time the "
         "same kernels on this machine (busiest worker by time): " + kernels.describe()
         + " The paper gives no counts, only DP-KFAC's reduction (1.55–1.65×), which D1-D3 "
         "sets beside ours.")
@@ -342,7 +347,7 @@ def breakdown_table(results: Sequence[ModelResult], world_size: int, network: Al
         "construction, inversion and preconditioning are the busiest worker's measured "
         "kernels (D3). Communication: every collective of the simulated ledger at "
         f"{network.label}; all-reduce 2(p−1)α + 2(p−1)/p·n/β, broadcast ⌈log₂p⌉α + n/β "
-        "(`reproductions/dpkfac/timemodel.py`). Each stage takes its slowest worker and "
+        "(`reproductions/common/timemodel.py`). Each stage takes its slowest worker and "
         "stages add (no overlap). *P broadcast* is the preconditioned-gradient broadcast "
         "(the paper's inverse comm for MPD-KFAC and DP-KFAC); *inverse comm* is the state "
         "broadcast plus a 2-byte-per-layer readiness all-reduce. On a CPU the compute terms "

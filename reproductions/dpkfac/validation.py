@@ -35,7 +35,7 @@ from core import KFACPreconditioner
 from core.distributed import Communicator, LedgerEntry, average_gradients
 from core.strategy import Strategy
 from reproductions.common.launch import run_local
-from reproductions.dpkfac.timemodel import LEDGER_STAGES, AlphaBeta, fit_alpha_beta
+from reproductions.common.timemodel import LEDGER_STAGES, AlphaBeta, fit_alpha_beta
 from reproductions.dpkfac.workloads import Scheme
 
 BENCH_BYTES = tuple(4**k for k in range(6, 13))

@@ -1,58 +1,18 @@
 """The DP-KFAC paper's 64-GPU workloads and the schemes it compares, as shapes and options.
 
-Models are built on the ``meta`` device (shapes, no memory); one ``meta`` forward pass at the
-per-GPU batch gives each K-FAC layer's factor rows (``B`` for a Linear layer, ``B·L`` for a
-convolution with ``L`` output locations), which the FLOP counts and kernel timings need.
+The workloads are :class:`~reproductions.common.shapes.Workload` objects (models built on the
+``meta`` device, per-GPU batch, image size).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
-from core.layers import helper_for
-from core.preconditioner import discover_layers
-
-META = torch.device("meta")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A model at the per-GPU batch of the paper's efficiency runs.
-
-    Attributes:
-        key: Short name (``"resnet50"``).
-        label: Name in tables (``"ResNet-50"``).
-        build: Builds the model (on the current default device).
-        batch: Images per GPU.
-        image_size: Input height and width.
-        note: Where ``batch`` and ``image_size`` come from.
-    """
-
-    key: str
-    label: str
-    build: Callable[[], nn.Module]
-    batch: int
-    image_size: int
-    note: str
-
-    def meta_model(self) -> nn.Module:
-        """The model on the ``meta`` device."""
-        with META:
-            return self.build()
-
-
-def _torchvision(name: str) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import torchvision
-
-        return getattr(torchvision.models, name)()
-    return build
+from reproductions.common.shapes import Workload, torchvision_model
 
 
 def _timm(name: str) -> Callable[[], nn.Module]:
@@ -64,11 +24,11 @@ def _timm(name: str) -> Callable[[], nn.Module]:
 
 
 WORKLOADS: tuple[Workload, ...] = (
-    Workload("resnet50", "ResNet-50", _torchvision("resnet50"), 32, 224,
+    Workload("resnet50", "ResNet-50", torchvision_model("resnet50"), 32, 224,
              "torchvision; 32 images per GPU (batch.sh, PAPERS.md §4.3)"),
-    Workload("resnet152", "ResNet-152", _torchvision("resnet152"), 32, 224,
+    Workload("resnet152", "ResNet-152", torchvision_model("resnet152"), 32, 224,
              "torchvision; the scripts give no ResNet-152 batch: ResNet-50's 32 is used"),
-    Workload("densenet201", "DenseNet-201", _torchvision("densenet201"), 16, 224,
+    Workload("densenet201", "DenseNet-201", torchvision_model("densenet201"), 16, 224,
              "torchvision; 16 images per GPU (batch.sh)"),
     Workload("inception_v4", "Inception-v4", _timm("inception_v4"), 16, 299,
              "timm `inception_v4`; 16 images per GPU (batch.sh), 299×299 inputs"),
@@ -82,60 +42,6 @@ def workload(key: str) -> Workload:
             return w
     raise KeyError(f"unknown workload {key!r}; choose among "
                    + ", ".join(w.key for w in WORKLOADS))
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """One K-FAC layer at a given batch.
-
-    Attributes:
-        name: Module name.
-        a_dim: Dimension of ``A``.
-        g_dim: Dimension of ``G``.
-        rows: Factor rows per batch: ``B`` (Linear; ``B·T`` for inputs with positions),
-            ``B·L`` (Conv2d, ``L`` output locations); a module called twice counts twice.
-    """
-
-    name: str
-    a_dim: int
-    g_dim: int
-    rows: int
-
-
-def layer_shapes(model: nn.Module, batch: int, image_size: int) -> list[LayerShape]:
-    """Every K-FAC layer of ``model`` (model order) with its factor rows at ``batch``.
-
-    Args:
-        model: The model, on ``meta`` or any device (a forward pass on ``meta`` inputs needs a
-            ``meta`` model).
-        batch: Images per batch.
-        image_size: Input height and width (3 channels).
-    """
-    found = discover_layers(model, ())
-    rows: dict[str, int] = {}
-
-    def record(name: str) -> Callable[[nn.Module, Any, Tensor], None]:
-        def hook(module: nn.Module, inputs: Any, output: Tensor) -> None:
-            del inputs
-            positions = (output.shape[:1] + output.shape[2:] if isinstance(module, nn.Conv2d)
-                         else output.shape[:-1])
-            rows[name] = rows.get(name, 0) + math.prod(positions)
-        return hook
-
-    handles = [module.register_forward_hook(record(name)) for name, module in found]
-    device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            model(torch.empty(batch, 3, image_size, image_size, device=device))
-    finally:
-        for handle in handles:
-            handle.remove()
-    shapes = []
-    for name, module in found:
-        helper = helper_for(module)
-        assert helper is not None, "discover_layers returns supported modules only"
-        shapes.append(LayerShape(name, helper.a_dim, helper.g_dim, rows.get(name, 0)))
-    return shapes
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Rebuild Osawa et al.'s tables next to the paper's numbers (TABLES.md, O1–O4).
+"""Rebuild Osawa et al.'s tables next to the paper's numbers (TABLES.md, O1–O5).
 
 * **O1** iterations per (batch size, epochs), exact: ``ceil(1,281,167 · epochs / B)`` from the
   shipped ImageNet configs, against the abstract and the authors' repository table.
@@ -9,9 +9,13 @@
 * **O4** per-worker communication and memory of ResNet-50 at the paper's GPU counts, the paper's
   scheme against the other strategies, from ``core.distributed.simulate`` (the strategies' own
   code against a recording transport).
+* **O5** a modelled per-iteration time breakdown at the same GPU counts: O4's simulated ledgers
+  at an alpha-beta network, FLOPs of each stage at GEMM and Cholesky rates measured here (or
+  read from a rates file measured on a GPU), forward/backward time per image measured here.
 
-    python -m reproductions.osawa2018.tables [--results-dir DIR] [--sections O1 O2 O3 O4]
+    python -m reproductions.osawa2018.tables [--results-dir DIR] [--sections O1 ... O5]
                                              [--gpus 128 256 ...] [--write FILE | -]
+                                             [--rates FILE | --device cuda --save-rates FILE]
 
 It prints the tables as Markdown and writes them to ``results/tables.json`` in the
 ``kfac-repro/tables/v1`` schema, which the docs site renders.
@@ -20,21 +24,27 @@ It prints the tables as Markdown and writes them to ``results/tables.json`` in t
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torchvision
 from torch import nn
 
 from core.config import KFACConfig
 from core.distributed import Communicator, SimulationReport, make_strategy, simulate
-from core.distributed.ledger import LedgerEntry
+from core.distributed.ledger import Ledger, LedgerEntry
 from core.preconditioner import build_layers
+from reproductions.common.cost import KernelRates
+from reproductions.common.kernels import Budget, measure_rates
 from reproductions.common.results import load_results
+from reproductions.common.shapes import LayerShape, Workload, layer_shapes, torchvision_model
 from reproductions.common.tables import Table, write_tables
+from reproductions.common.timemodel import AlphaBeta, stage_seconds
 from reproductions.osawa2018.config import CONFIG_DIR, load_config
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -61,6 +71,20 @@ O4_STRATEGIES: dict[str, dict[str, Any]] = {
     "dp-kfac": {},
 }
 STAGES = ("factor_comm", "inverse_comm", "grad_comm", "grad_allreduce")
+#: How O4 and O5 account the osawa strategy's ledger: scheme and row label (see :func:`account`).
+OSAWA_ACCOUNTINGS = (("ours", "osawa (this code)"), ("ideal", "osawa, paper's design"),
+                     ("as-coded", "osawa, chainerkfac as coded"))
+RESNET50 = Workload("resnet50", "ResNet-50", torchvision_model("resnet50"), 32, 224,
+                    "torchvision; 32 images per GPU (the official configs, PAPERS.md §2.5)")
+ASSUMED_NETWORK = AlphaBeta(
+    alpha_s=10e-6, bandwidth=100e9 / 8,
+    label="an assumed network: α = 10 µs per message step (a typical NCCL small-message "
+          "latency), β = 12.5 GB/s per GPU (one 100 Gb/s InfiniBand line rate); the paper ran "
+          "on ABCI (PAPERS.md §2.1), whose per-GPU network figures we did not source")
+#: O5's stages and the stages of :func:`reproductions.common.timemodel.stage_seconds` each sums.
+O5_STAGES = {"forward+backward": ("FF&BP",), "factor computation": ("factor comp",),
+             "communication": ("grad all-reduce", "factor comm", "inverse comm", "P broadcast"),
+             "inversion": ("inversion",), "preconditioning": ("precondition",)}
 
 
 def iterations_table() -> Table:
@@ -165,8 +189,7 @@ def large_batch_table(results_dir: Path) -> Table:
 
 def resnet50_meta() -> nn.Module:
     """torchvision ResNet-50 on the ``meta`` device (shapes only)."""
-    with torch.device("meta"):
-        return torchvision.models.resnet50()
+    return RESNET50.meta_model()
 
 
 @dataclass
@@ -215,53 +238,73 @@ def representative_ranks(model: nn.Module, strategy: str, world_size: int,
     return owners + [idle], [1] * len(owners) + [world_size - len(owners)]
 
 
-def per_worker(report: SimulationReport, weights: list[int], *, scheme: str = "ours"
-               ) -> PerWorker:
-    """Per-rank traffic per stage from the simulated ledgers, for one accounting ``scheme``.
+def account(entry: LedgerEntry, scheme: str) -> LedgerEntry:
+    """One ledger entry as an accounting ``scheme`` would issue it.
 
-    * ``ours``: the ledger as recorded (DDP-style gradient all-reduce, then the strategy).
+    * ``ours``: as recorded (DDP-style gradient all-reduce, then the strategy).
     * ``ideal``: Osawa et al.'s design, gradients reduce-scattered with the factors: the
-      gradient all-reduce counts only its reduce-scatter half.
+      gradient all-reduce becomes its reduce-scatter half.
     * ``as-coded``: chainerkfac, whose "ReduceScatterV" and "AllGatherV" are each one all-reduce
-      of the whole packed buffer: each such collective costs ``2(p − 1)/p`` of its buffer.
+      of the whole packed buffer: such a collective costs ``2(p − 1)/p`` of its buffer.
     """
+    p = entry.group_size
+    if scheme == "ideal" and entry.stage == "grad_allreduce":
+        return replace(entry, op="reduce_scatter", traffic_bytes=entry.traffic_bytes // 2)
+    if scheme == "as-coded" and entry.op in ("reduce_scatter", "all_gather"):
+        return replace(entry, op="all_reduce", traffic_bytes=2 * (p - 1) * entry.bytes // p)
+    return entry
 
-    def traffic(entry: LedgerEntry) -> float:
-        if scheme == "ideal" and entry.stage == "grad_allreduce":
-            return entry.traffic_bytes / 2
-        if scheme == "as-coded" and entry.op in ("reduce_scatter", "all_gather"):
-            return 2 * (entry.group_size - 1) / entry.group_size * entry.bytes
-        return float(entry.traffic_bytes)
 
+def accounted(report: SimulationReport, scheme: str) -> SimulationReport:
+    """``report`` with every rank's ledger rewritten by :func:`account`."""
+    ranks = [replace(r, ledger=Ledger(r.rank, r.ledger.step,
+                                      [account(e, scheme) for e in r.ledger.entries]))
+             for r in report.ranks]
+    return replace(report, ranks=ranks)
+
+
+def per_worker(report: SimulationReport, weights: list[int]) -> PerWorker:
+    """Per-rank traffic per stage and memory from the simulated ledgers."""
     stages = []
     for rank in report.ranks:
         totals: dict[str, float] = defaultdict(float)
         for entry in rank.ledger.entries:
-            totals[entry.stage] += traffic(entry)
+            totals[entry.stage] += entry.traffic_bytes
         stages.append(dict(totals))
     memory = [{**r.memory, "captured": r.captured_bytes} for r in report.ranks]
     return PerWorker(stages, memory, weights)
 
 
+@functools.cache
+def simulated(strategy: str, world_size: int) -> tuple[SimulationReport, list[int]]:
+    """One second-order update of ``strategy`` at ``world_size`` on ResNet-50 (cached: O4 and O5
+    read the same simulation), with the weight of each simulated rank."""
+    model = resnet50_meta()
+    options = {**RECIPE_OPTIONS, **O4_STRATEGIES[strategy]}
+    ranks, weights = representative_ranks(model, strategy, world_size, options)
+    return simulate(model, strategy, world_size, ranks=ranks, **options), weights
+
+
+def schemes(world_size: int) -> Iterator[tuple[str, SimulationReport, list[int]]]:
+    """The rows of O4 and O5 at ``world_size``: label, accounted report, rank weights."""
+    for strategy in O4_STRATEGIES:
+        report, weights = simulated(strategy, world_size)
+        for scheme, label in (OSAWA_ACCOUNTINGS if strategy == "osawa"
+                              else (("ours", strategy),)):
+            yield label, accounted(report, scheme), weights
+
+
 def communication_table(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> Table:
     """O4: per-worker traffic per second-order update and K-FAC memory, ResNet-50."""
-    model = resnet50_meta()
     rows: list[list[Any]] = []
     for world_size in gpu_counts:
-        for strategy, extra in O4_STRATEGIES.items():
-            options = {**RECIPE_OPTIONS, **extra}
-            ranks, weights = representative_ranks(model, strategy, world_size, options)
-            report = simulate(model, strategy, world_size, ranks=ranks, **options)
-            schemes = (("ours", "osawa (this code)"), ("ideal", "osawa, paper's design"),
-                       ("as-coded", "osawa, chainerkfac as coded")) if strategy == "osawa" \
-                else (("ours", strategy),)
-            for scheme, label in schemes:
-                stats = per_worker(report, weights, scheme=scheme)
-                rows.append([world_size, label, None]
-                            + [round(stats.mean(s) / MB, 1) for s in STAGES]
-                            + [round(stats.mean() / MB, 1), round(stats.max() / MB, 1),
-                               round(stats.max_memory("total") / MB, 1),
-                               round(stats.max_memory("captured") / MB, 1)])
+        for label, report, weights in schemes(world_size):
+            stats = per_worker(report, weights)
+            rows.append([world_size, label, None]
+                        + [round(stats.mean(s) / MB, 1) for s in STAGES]
+                        + [round(stats.mean() / MB, 1), round(stats.max() / MB, 1),
+                           round(stats.max_memory("total") / MB, 1),
+                           round(stats.max_memory("captured") / MB, 1)])
     return Table(
         "O4", "Per-worker communication per second-order update and K-FAC memory, ResNet-50",
         "exact",
@@ -286,7 +329,117 @@ def communication_table(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> Table:
         "(26,560 channels) are not included. The paper gives no numbers for this table.")
 
 
-SECTIONS = ("O1", "O2", "O3", "O4")
+def layers_owned(report: SimulationReport) -> int:
+    """Most layers any worker inverts a factor of (every layer under D-KFAC)."""
+    return max(len({name for name, _ in r.inverted}) for r in report.ranks)
+
+
+def iteration_seconds(report: SimulationReport, shapes: Sequence[LayerShape],
+                      rates: KernelRates, network: AlphaBeta, batch: int) -> dict[str, float]:
+    """Modelled seconds of each of :data:`O5_STAGES` in one iteration with a full update.
+
+    Forward + backward is ``batch`` times the per-image time of ``rates``; the K-FAC kernels
+    are their FLOPs at ``rates`` on the slowest worker; every collective of the (accounted)
+    ledger costs its alpha-beta time; each stage takes its slowest worker and stages add
+    (:func:`reproductions.common.timemodel.stage_seconds`).
+
+    Args:
+        report: A simulation of one full update, its ledger accounted (:func:`accounted`).
+        shapes: The model's layer shapes at ``batch``.
+        rates: Kernel throughputs and forward/backward seconds per image.
+        network: The alpha-beta network.
+        batch: Images per GPU.
+    """
+    seconds = stage_seconds(report, shapes, rates, network,
+                            rates.forward_backward_s_per_image * batch)
+    return {stage: sum(seconds[part] for part in parts) for stage, parts in O5_STAGES.items()}
+
+
+def breakdown_table(rates: KernelRates, origin: str, gpu_counts: tuple[int, ...] = GPU_COUNTS,
+                    network: AlphaBeta = ASSUMED_NETWORK) -> Table:
+    """O5: modelled per-iteration time per stage against the GPU count, ResNet-50.
+
+    Args:
+        rates: Kernel throughputs and forward/backward seconds per image of ResNet-50.
+        origin: Where ``rates`` come from, for the notes ("measured on this machine").
+        gpu_counts: The GPU counts.
+        network: The alpha-beta network.
+    """
+    shapes = layer_shapes(resnet50_meta(), RESNET50.batch, RESNET50.image_size)
+    latency_only = AlphaBeta(network.alpha_s, math.inf, "latency only")
+    rows: list[list[Any]] = []
+    for world_size in gpu_counts:
+        for label, report, weights in schemes(world_size):
+            stages = iteration_seconds(report, shapes, rates, network, RESNET50.batch)
+            latency = iteration_seconds(report, shapes, rates, latency_only,
+                                        RESNET50.batch)["communication"]
+            total = sum(stages.values())
+            rows.append([world_size, label, None, layers_owned(report), *stages.values(), total,
+                         100 * stages["communication"] / total, latency,
+                         round(per_worker(report, weights).max() / MB, 1)])
+    return Table(
+        "O5", "Modelled per-iteration time per stage against the GPU count, ResNet-50 at 32 "
+        "images per GPU", "modelled",
+        ["GPUs", "scheme", "paper (s)", "ours: layers owned per worker, max",
+         *(f"ours: {stage} (s)" for stage in O5_STAGES), "ours: total (s)",
+         "ours: communication share (%)", "ours: communication, latency α part (s)",
+         "ours: traffic per worker, max (MB)"],
+        rows,
+        "Modelled, not measured: no iteration was timed at these GPU counts. The paper's "
+        "per-iteration time breakdown against the GPU count could not be read (PAPERS.md §2.4 "
+        "marks its figures [NF]), so there is no paper number to compare and 'paper (s)' is "
+        "empty. Each row is one second-order update (factors, Cholesky inverses and "
+        "preconditioning every iteration, as the official configs do) of O4's simulation: "
+        "the same ledgers and the same three accountings of the osawa strategy, so 'traffic "
+        "per worker, max' equals O4's 'total, max'. Communication: every collective of the "
+        f"ledger at {network.label}; ring all-reduce 2(p−1)α + 2(p−1)/p·n/β, ring "
+        "reduce-scatter and all-gather (p−1)α + (p−1)/p·n/β, tree broadcast ⌈log₂p⌉α + n/β "
+        "(`reproductions/common/timemodel.py`). Ring latency grows linearly with p (NCCL "
+        "switches to trees at this scale), so the 'latency α part' column shows how much of "
+        "the communication that assumption carries. Compute: factor construction 2·rows·n² "
+        "and preconditioning 2·(g²a + ga²) FLOPs at the GEMM rate, Cholesky plus inverse n³ "
+        "FLOPs per factor at the Cholesky rate (`reproductions/common/cost.py`), on the "
+        "slowest worker; every worker builds every layer's batch factors except under "
+        "dp-kfac. Rates and forward/backward time per image "
+        f"({rates.forward_backward_s_per_image:.3g} s, the named input "
+        f"`forward_backward_s_per_image`) are {origin}: GEMM "
+        f"{rates.gemm_flops / 1e9:.1f} GFLOP/s, Cholesky {rates.decomposition_flops / 1e9:.1f} "
+        f"GFLOP/s. {rates.source} Measured on a CPU they are one to two orders of magnitude "
+        "slower than the paper's V100 GPUs, so compute dominates and the communication share "
+        "is far below what GPUs would show; `--rates FILE` takes rates measured on a GPU "
+        "(`--device cuda --save-rates FILE` writes them there). Each stage takes its slowest "
+        "worker and stages add. Left out: overlap of communication with computation "
+        "(chainerkfac can reduce A factors during the backward pass), stragglers and "
+        "contention, network topology and intra-node links, fp16 compute and communication "
+        "(the paper reportedly used half precision; all fp32 here), BatchNorm Fisher blocks, "
+        "the optimizer update, im2col and data loading; one rate per kernel kind makes small "
+        "kernels optimistic.")
+
+
+SECTIONS = ("O1", "O2", "O3", "O4", "O5")
+
+
+def o5_rates(args: argparse.Namespace) -> tuple[KernelRates, str]:
+    """O5's rates and where they come from: read from ``--rates``, or measured on ``--device``
+    (one thread on a CPU: one worker's view); written to ``--save-rates`` when given.
+
+    Raises:
+        ValueError: the rates file is for another model or decomposition.
+    """
+    method = RECIPE_OPTIONS["inverse_method"]
+    workload = f"{RESNET50.key}@{RESNET50.image_size}"
+    if args.rates is not None:
+        rates, origin = KernelRates.load(args.rates), f"read from `{args.rates.name}`"
+        if (rates.workload, rates.method) != (workload, method):
+            raise ValueError(f"{args.rates}: rates for {rates.workload} / {rates.method}, "
+                             f"O5 needs {workload} / {method}")
+    else:
+        torch.set_num_threads(1)
+        rates = measure_rates(RESNET50, method, Budget(), torch.device(args.device))
+        origin = "measured on this machine"
+    if args.save_rates is not None:
+        rates.save(args.save_rates)
+    return rates, origin
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -299,10 +452,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="GPU counts of O4 (each simulated; 4,096 takes about a minute)")
     parser.add_argument("--write", type=Path, default=RESULTS / "tables.json",
                         help="tables file to write (kfac-repro/tables/v1); '-' writes none")
+    parser.add_argument("--rates", type=Path, default=None,
+                        help="O5: kernel rates and forward/backward time per image from a file "
+                             "(e.g. measured on a GPU); default: measure here (about 5 s)")
+    parser.add_argument("--device", default="cpu", help="O5: where rates are measured")
+    parser.add_argument("--save-rates", type=Path, default=None,
+                        help="O5: write the rates used to this file (kfac-repro/kernel-rates/v1)")
     args = parser.parse_args(argv)
     builders = {"O1": iterations_table, "O2": lambda: large_batch_table(args.results_dir),
                 "O3": hyperparameter_table,
-                "O4": lambda: communication_table(tuple(args.gpus))}
+                "O4": lambda: communication_table(tuple(args.gpus)),
+                "O5": lambda: breakdown_table(*o5_rates(args), tuple(args.gpus))}
     built = [builders[s]() for s in args.sections]
     print("\n\n".join(table.markdown() for table in built))
     if str(args.write) != "-":

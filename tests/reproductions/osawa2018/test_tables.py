@@ -6,8 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from reproductions.common.cost import KernelRates
+from reproductions.common.shapes import LayerShape
 from reproductions.common.tables import load_tables
+from reproductions.common.timemodel import AlphaBeta
 from reproductions.osawa2018 import tables
 from reproductions.osawa2018.study import StudyRun, plan
 
@@ -46,8 +51,8 @@ def test_simulated_per_worker_traffic_of_the_three_osawa_accountings() -> None:
     assert ranks == [0, 1, 2, 3] and weights == [1] * 4
     report = tables.simulate(model, "osawa", p, ranks=ranks, **options)
     ours = tables.per_worker(report, weights)
-    ideal = tables.per_worker(report, weights, scheme="ideal")
-    coded = tables.per_worker(report, weights, scheme="as-coded")
+    ideal = tables.per_worker(tables.accounted(report, "ideal"), weights)
+    coded = tables.per_worker(tables.accounted(report, "as-coded"), weights)
     ring = (p - 1) / p
     assert ours.mean("grad_allreduce") == pytest.approx(2 * ring * 4 * PARAMETERS, rel=1e-3)
     assert ideal.mean("grad_allreduce") == pytest.approx(ring * 4 * PARAMETERS, rel=1e-3)
@@ -89,3 +94,88 @@ def test_study_plan_builds_valid_runs() -> None:
     command = StudyRun("x", "fmnist_default", {"lr": 0.1, "name": "n"}).command(
         Path("out"), "disabled", None)
     assert command[-3:] == ["--set", "lr=0.1", 'name="n"']
+
+
+#: Rates for O5 tests (of the order measured on one CPU thread), so no test measures anything.
+RATES = KernelRates("cholesky", gemm_flops=6e10, decomposition_flops=5e10,
+                    forward_backward_s_per_image=0.3, workload="resnet50@224", source="given.")
+
+
+@pytest.mark.parametrize(("scheme", "alphas", "wire_bytes"), [
+    # gradient all-reduce 2α + 116, factor reduce-scatter α + 188/2, readiness all-reduce
+    # 2α + 4, preconditioned-gradient all-gather α + 116/2 (bytes; p = 2)
+    ("ours", 6, 116 + 94 + 4 + 58),
+    ("ideal", 5, 58 + 94 + 4 + 58),                  # the gradients only reduce-scattered
+    ("as-coded", 8, 116 + 188 + 4 + 116),            # both V-collectives as all-reduces
+])
+def test_o5_stage_model_of_two_layers_on_two_workers_by_hand(scheme: str, alphas: int,
+                                                             wire_bytes: int) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(7, 3, bias=False), nn.Linear(3, 2))
+    options = {**tables.RECIPE_OPTIONS, "assignment": "contiguous"}
+    report = tables.accounted(tables.simulate(model, "osawa", 2, **options), scheme)
+    shapes = [LayerShape("0", 7, 3, 5), LayerShape("1", 4, 2, 5)]  # batch 5
+    rates = KernelRates("cholesky", gemm_flops=1e9, decomposition_flops=1e8,
+                        forward_backward_s_per_image=0.25, workload="tiny", source="test")
+    network = AlphaBeta(alpha_s=1e-5, bandwidth=1e9, label="test")
+    seconds = tables.iteration_seconds(report, shapes, rates, network, batch=5)
+    assert list(seconds) == list(tables.O5_STAGES)
+    assert seconds == pytest.approx({
+        "forward+backward": 0.25 * 5,
+        "factor computation": 2 * 5 * (7**2 + 3**2 + 4**2 + 2**2) / 1e9,  # every worker, all
+        "communication": alphas * 1e-5 + wire_bytes / 1e9,
+        "inversion": (7**3 + 3**3) / 1e8,                  # rank 0 owns the larger layer
+        "preconditioning": 2 * (3 * 3 * 7 + 3 * 7 * 7) / 1e9,
+    }, rel=1e-12)
+    assert tables.layers_owned(report) == 1
+
+
+def test_o5_traffic_is_o4s_and_the_stages_are_consistent() -> None:
+    counts = (2, 4)
+    o4 = tables.communication_table(counts)
+    o5 = tables.breakdown_table(RATES, "given", counts)
+    assert o5.kind == "modelled" and "[NF]" in o5.notes and "Modelled, not measured" in o5.notes
+    assert o5.column("paper (s)") == [None] * len(o5.rows)
+    assert [r[:2] for r in o5.rows] == [r[:2] for r in o4.rows]
+    assert o5.column("ours: traffic per worker, max (MB)") == o4.column("ours: total, max (MB)")
+    rows = {(r[0], r[1]): dict(zip(o5.columns, r, strict=True)) for r in o5.rows}
+    stages = [f"ours: {s} (s)" for s in tables.O5_STAGES]
+    for row in rows.values():
+        assert row["ours: total (s)"] == pytest.approx(sum(row[s] for s in stages))
+        assert row["ours: communication share (%)"] == pytest.approx(
+            100 * row["ours: communication (s)"] / row["ours: total (s)"])
+        assert 0 < row["ours: communication, latency α part (s)"] < row["ours: communication (s)"]
+        assert row["ours: forward+backward (s)"] == pytest.approx(0.3 * 32)
+    for p in counts:
+        comm = [rows[p, f"osawa{s}"]["ours: communication (s)"]
+                for s in (", paper's design", " (this code)", ", chainerkfac as coded")]
+        assert comm == sorted(comm) and len(set(comm)) == 3
+        assert rows[p, "d-kfac"]["ours: layers owned per worker, max"] == 54
+        assert rows[p, "dp-kfac"]["ours: factor computation (s)"] < rows[p, "d-kfac"][
+            "ours: factor computation (s)"]
+    osawa = [rows[p, "osawa (this code)"] for p in counts]
+    assert [r["ours: layers owned per worker, max"] for r in osawa] == [27, 14]
+    assert osawa[1]["ours: inversion (s)"] < osawa[0]["ours: inversion (s)"]
+    assert (osawa[1]["ours: communication, latency α part (s)"]
+            > osawa[0]["ours: communication, latency α part (s)"])
+
+
+def test_tables_cli_prints_o5_with_rates_from_a_file(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    rates = RATES.save(tmp_path / "rates.json")
+    assert KernelRates.load(rates) == RATES
+    tables.main(["--sections", "O5", "--gpus", "4", "--rates", str(rates),
+                 "--write", str(tmp_path / "t.json")])
+    out = capsys.readouterr().out
+    assert "### O5: Modelled per-iteration time per stage" in out and "(modelled)" in out
+    paper, written = load_tables(tmp_path / "t.json")
+    assert [t.id for t in written] == ["O5"] and len(written[0].rows) == 7
+    assert "read from `rates.json`" in written[0].notes
+    (tmp_path / "other.json").write_text(json.dumps(
+        {**json.loads(rates.read_text()), "workload": "resnet18@224"}))
+    with pytest.raises(ValueError, match="O5 needs resnet50@224"):
+        tables.main(["--sections", "O5", "--rates", str(tmp_path / "other.json"), "--write", "-"])
+    (tmp_path / "bad.json").write_text(json.dumps(
+        {**json.loads(rates.read_text()), "gemm_flops": 0}))
+    with pytest.raises(ValueError, match="gemm_flops"):
+        KernelRates.load(tmp_path / "bad.json")

@@ -20,16 +20,23 @@ Which worker does what comes from the simulated strategy itself
 (:class:`core.distributed.simulate.RankReport`: the layers a rank captures, the factors it
 inverts, the layers it preconditions), so the "busiest worker" follows the scheme's assignment:
 DP-KFAC builds factors only for the layers a rank owns, the other schemes for every layer.
+
+Kernel costs come as FLOPs (:class:`FlopCost`), as seconds measured per shape
+(:class:`~reproductions.common.kernels.KernelTimes`), or as FLOPs at one measured throughput per
+kernel kind (:class:`KernelRates`, which a JSON file can carry from the machine that measured it,
+e.g. a GPU, to the one that builds the tables).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Protocol
 
 from core.distributed import SimulationReport
-from reproductions.dpkfac.workloads import LayerShape
+from reproductions.common.shapes import LayerShape
 
 FLOPS_PER_MAC = 2
 DECOMPOSITION_FLOPS_PER_N3 = {"eigen": 9.0, "cholesky": 1.0, "inverse": 2.0}
@@ -67,6 +74,74 @@ class FlopCost:
 
     def precondition(self, g: int, a: int) -> float:
         return float(PRECONDITION_GEMM_PAIRS[self.method] * FLOPS_PER_MAC * (g * g * a + g * a * a))
+
+
+RATES_SCHEMA = "kfac-repro/kernel-rates/v1"
+"""The ``schema`` field of a :class:`KernelRates` file."""
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """Seconds of each kernel as its :class:`FlopCost` FLOPs at one throughput per kernel kind,
+    plus the forward/backward time per image: the compute inputs of a modelled iteration.
+
+    One rate per kind ignores that small kernels run below it, so the times are optimistic for
+    the small factors of a model.
+
+    Attributes:
+        method: Decomposition the ``decomposition_flops`` rate is for.
+        gemm_flops: FLOP/s of the GEMMs (factor construction and preconditioning).
+        decomposition_flops: FLOP/s of the decomposition, counted as
+            :data:`DECOMPOSITION_FLOPS_PER_N3` ``[method]·n³``.
+        forward_backward_s_per_image: Forward plus backward seconds per image of ``workload``.
+        workload: The model and input the forward/backward time is for (``"resnet50@224"``).
+        source: Where and how the numbers were measured.
+    """
+
+    method: str
+    gemm_flops: float
+    decomposition_flops: float
+    forward_backward_s_per_image: float
+    workload: str
+    source: str
+
+    def factor(self, rows: int, n: int) -> float:
+        return FlopCost(self.method).factor(rows, n) / self.gemm_flops
+
+    def decomposition(self, n: int) -> float:
+        return FlopCost(self.method).decomposition(n) / self.decomposition_flops
+
+    def precondition(self, g: int, a: int) -> float:
+        return FlopCost(self.method).precondition(g, a) / self.gemm_flops
+
+    def save(self, path: Path) -> Path:
+        """Write the rates as JSON (schema :data:`RATES_SCHEMA`); returns ``path``."""
+        Path(path).write_text(json.dumps({"schema": RATES_SCHEMA, **asdict(self)}, indent=1,
+                                         ensure_ascii=False) + "\n", encoding="utf-8")
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: Path) -> KernelRates:
+        """Rates from a file :meth:`save` wrote.
+
+        Raises:
+            ValueError: the file is not in :data:`RATES_SCHEMA` or a field is missing or not
+                positive; the message names the file and the field.
+        """
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        if data.pop("schema", None) != RATES_SCHEMA:
+            raise ValueError(f"{path}: field 'schema' must be {RATES_SCHEMA!r}")
+        try:
+            rates = cls(**data)
+        except TypeError as err:
+            raise ValueError(f"{path}: {err}") from None
+        for name in ("gemm_flops", "decomposition_flops", "forward_backward_s_per_image"):
+            if not float(getattr(rates, name)) > 0:
+                raise ValueError(f"{path}: field {name!r} must be a positive number")
+        if rates.method not in DECOMPOSITION_FLOPS_PER_N3:
+            raise ValueError(f"{path}: field 'method' must be one of "
+                             f"{', '.join(DECOMPOSITION_FLOPS_PER_N3)}")
+        return rates
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from core.distributed import LedgerEntry, SimulationReport
-from reproductions.dpkfac.cost import KernelCost, worker_compute
-from reproductions.dpkfac.workloads import LayerShape
+from reproductions.common.cost import KernelCost, worker_compute
+from reproductions.common.shapes import LayerShape
 
 
 def coefficients(op: str, nbytes: float, p: int) -> tuple[float, float]:
@@ -65,13 +65,6 @@ class AlphaBeta:
     def entries(self, entries: Iterable[LedgerEntry]) -> float:
         """Seconds of a rank's ledger entries, one after the other."""
         return sum(self.collective(e.op, e.bytes, e.group_size) for e in entries)
-
-
-INFINIBAND_100G = AlphaBeta(
-    alpha_s=10e-6, bandwidth=100e9 / 8,
-    label="100 Gb/s InfiniBand (the paper's cluster, PAPERS.md §4.3): α = 10 µs per message "
-          "step (a typical NCCL small-message latency, assumed), β = 12.5 GB/s (the line rate: "
-          "an optimistic bandwidth), one GPU per link, no faster intra-node links")
 
 
 def fit_alpha_beta(samples: Sequence[tuple[str, float, int, float]], label: str) -> AlphaBeta:

@@ -7,15 +7,15 @@ import torch
 from torch import nn
 
 from core.distributed import simulate
-from reproductions.dpkfac.cost import FlopCost
-from reproductions.dpkfac.timemodel import (
+from reproductions.common.cost import FlopCost
+from reproductions.common.shapes import LayerShape
+from reproductions.common.timemodel import (
     STAGES,
     AlphaBeta,
     coefficients,
     fit_alpha_beta,
     stage_seconds,
 )
-from reproductions.dpkfac.workloads import LayerShape
 
 NET = AlphaBeta(alpha_s=1e-5, bandwidth=1e9, label="test")
 
@@ -68,7 +68,7 @@ def test_stage_seconds_of_d_kfac_and_dp_kfac() -> None:
 
 
 def test_fit_clamps_a_negative_inverse_bandwidth_to_an_infinite_bandwidth() -> None:
-    from reproductions.dpkfac.timemodel import fit_alpha_beta
+    from reproductions.common.timemodel import fit_alpha_beta
 
     # the larger message measured faster: only latency explains the times
     network = fit_alpha_beta([("all_reduce", 4096, 2, 0.002), ("all_reduce", 65536, 2, 0.001)],

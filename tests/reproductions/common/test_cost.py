@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from core.distributed import simulate
-from reproductions.dpkfac import kernels
-from reproductions.dpkfac.cost import FlopCost, busiest, worker_compute
-from reproductions.dpkfac.kernels import Budget, KernelTimes
-from reproductions.dpkfac.workloads import LayerShape, layer_shapes
+from reproductions.common import kernels
+from reproductions.common.cost import FlopCost, busiest, worker_compute
+from reproductions.common.kernels import Budget, KernelTimes
+from reproductions.common.shapes import LayerShape, layer_shapes
 
 
 def small_model() -> nn.Module:

@@ -11,6 +11,8 @@ distinct shape is timed once (cached) under a budget, and larger work is scaled:
   :attr:`Budget.direct_dim`; above it, ``t = c·n³`` with ``c`` fitted (least squares) on
   :attr:`Budget.anchor_dims`.
 * **Forward + backward** is timed at a small batch and scaled linearly to the per-GPU batch.
+* **Rates** (:func:`measure_rates`): one GEMM throughput, one decomposition throughput and the
+  forward/backward time per image, for models that take FLOPs at a fixed rate.
 
 Each timing is the fastest of a few repetitions after a warm-up. Timings depend on the threads
 (``torch.get_num_threads()``) and on other load on the machine; both are recorded.
@@ -28,8 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reproductions.dpkfac.cost import PRECONDITION_GEMM_PAIRS
-from reproductions.dpkfac.workloads import Workload
+from reproductions.common.cost import (
+    DECOMPOSITION_FLOPS_PER_N3,
+    PRECONDITION_GEMM_PAIRS,
+    FlopCost,
+    KernelRates,
+)
+from reproductions.common.shapes import Workload
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ def _decompose(method: str) -> Callable[[Tensor], object]:
 
 @dataclass
 class KernelTimes:
-    """Measured seconds per kernel, cached per shape (a :class:`~reproductions.dpkfac.cost.
+    """Measured seconds per kernel, cached per shape (a :class:`~reproductions.common.cost.
     KernelCost` in seconds).
 
     Args:
@@ -245,3 +252,30 @@ def measure_pass(work: Workload, batch: int, device: torch.device, reps: int = 1
     scale = work.batch / batch
     return PassMeasurement(seconds * scale, round(sum(saved.values()) * scale),
                            sum(p.numel() * p.element_size() for p in model.parameters()), batch)
+
+
+RATE_GEMM_DIM = 512
+"""Factor dimension of the GEMM whose throughput stands for all GEMMs (ResNet-50's factors run
+from 64 to 4,609)."""
+
+
+def measure_rates(work: Workload, method: str, budget: Budget, device: torch.device
+                  ) -> KernelRates:
+    """GEMM and decomposition throughput, and forward/backward seconds per image of ``work``,
+    measured here with the same timers as :class:`KernelTimes` and :func:`measure_pass`.
+
+    The GEMM rate is that of one factor product ``XᵀX`` with ``n =`` :data:`RATE_GEMM_DIM` (its
+    rows cut to ``budget.gemm_macs``); the decomposition rate divides
+    :data:`~reproductions.common.cost.DECOMPOSITION_FLOPS_PER_N3` by the ``c`` of ``t = c·n³``
+    fitted on ``budget.anchor_dims``; forward + backward is timed at ``budget.ffbp_batch``.
+    """
+    times = KernelTimes(method, budget, device)
+    rows = 10**9  # far past the budget: the timed product is cut, and the rate is its own
+    gemm = FlopCost(method).factor(rows, RATE_GEMM_DIM) / times.factor(rows, RATE_GEMM_DIM)
+    decomposition = DECOMPOSITION_FLOPS_PER_N3[method] / times.cubic_coefficient
+    measured = measure_pass(work, budget.ffbp_batch, device, reps=budget.reps)
+    source = (f"{times.describe()} GEMM rate from XᵀX with n = {RATE_GEMM_DIM}; forward + "
+              f"backward of {work.label} ({work.image_size}×{work.image_size}, fp32) timed at "
+              f"batch {measured.batch} and scaled linearly.")
+    return KernelRates(method, gemm, decomposition, measured.seconds / work.batch,
+                       f"{work.key}@{work.image_size}", source)
