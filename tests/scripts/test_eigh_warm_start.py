@@ -42,3 +42,10 @@ def test_run_prints_the_table_and_writes_json(tmp_path: Path, capsys) -> None:
     assert [r["n"] for r in saved["rows"]] == [16, 32] and saved["interval"] == 3
     for row in rows:  # the fresh decomposition beats the stale one it replaces
         assert row.error_exact < row.error_stale and row.eigh_s > 0 and row.warm_s > 0
+
+
+def test_benchmarks_page_shows_the_committed_run() -> None:
+    root = Path(__file__).resolve().parents[2]
+    saved = json.loads((root / "scripts/results/eigh_warm_start_cpu.json").read_text())
+    rows = [warm.WarmStartRow(**r) for r in saved["rows"]]
+    assert warm.table(rows) in (root / "docs/benchmarks.md").read_text()
