@@ -179,6 +179,25 @@ def write_tables(path: Path, paper: str, tables: Sequence[Table]) -> Path:
     return path
 
 
+def update_tables(path: Path, paper: str, tables: Sequence[Table]) -> Path:
+    """Write ``tables`` into ``path``, keeping the file's other tables (rebuilding a few
+    sections must not drop the rest). A table replaces the one with its id, in place; new ids
+    go last.
+
+    Raises:
+        TablesError: the existing file is unreadable or belongs to another paper.
+    """
+    path = Path(path)
+    if not path.exists():
+        return write_tables(path, paper, tables)
+    owner, kept = load_tables(path)
+    if owner != paper:
+        raise TablesError(f"{path}: holds the tables of {owner!r}, not {paper!r}")
+    fresh = {t.id: t for t in tables}
+    merged = [fresh.pop(t.id, t) for t in kept]
+    return write_tables(path, paper, merged + list(fresh.values()))
+
+
 def load_tables(path: Path) -> tuple[str, list[Table]]:
     """Read and validate a tables file.
 

@@ -43,7 +43,7 @@ from reproductions.common.cost import KernelRates
 from reproductions.common.kernels import Budget, measure_rates
 from reproductions.common.results import load_results
 from reproductions.common.shapes import LayerShape, Workload, layer_shapes, torchvision_model
-from reproductions.common.tables import Table, write_tables
+from reproductions.common.tables import Table, update_tables
 from reproductions.common.timemodel import AlphaBeta, stage_seconds
 from reproductions.osawa2018.config import CONFIG_DIR, load_config
 
@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpus", nargs="*", type=int, default=list(GPU_COUNTS),
                         help="GPU counts of O4 (each simulated; 4,096 takes about a minute)")
     parser.add_argument("--write", type=Path, default=RESULTS / "tables.json",
-                        help="tables file to write (kfac-repro/tables/v1); '-' writes none")
+                        help="tables file to write (kfac-repro/tables/v1; the sections built "
+                             "replace theirs, the others are kept); '-' writes none")
     parser.add_argument("--rates", type=Path, default=None,
                         help="O5: kernel rates and forward/backward time per image from a file "
                              "(e.g. measured on a GPU); default: measure here (about 5 s)")
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     built = [builders[s]() for s in args.sections]
     print("\n\n".join(table.markdown() for table in built))
     if str(args.write) != "-":
-        write_tables(args.write, "osawa2018", built)
+        update_tables(args.write, "osawa2018", built)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from reproductions.common.tables import (
     TablesError,
     load_tables,
     markdown_grid,
+    update_tables,
     write_tables,
 )
 
@@ -34,6 +35,19 @@ def test_round_trip(tmp_path: Path) -> None:
                            [["ResNet-50", "2.79–3.15×", 1211.6], ["x | y", None, None]],
                            "from the ledger")
     assert loaded.column("ours (MB)") == [1211.6, None]
+
+
+def test_update_replaces_in_place_keeps_the_rest_and_appends_new(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    first, second = table(), Table("D2", "Memory", "exact", ["paper", "ours"], [[1, 2]], "n")
+    update_tables(path, "dpkfac", [first, second])  # a new file is written as is
+    fresh = Table("D1", "Communication", "exact", ["paper", "ours"], [[3, 4]], "again")
+    added = Table("D3", "Time", "modelled", ["paper", "ours"], [[5, 6]], "m")
+    update_tables(path, "dpkfac", [added, fresh])
+    assert [t.id for t in load_tables(path)[1]] == ["D1", "D2", "D3"]
+    assert load_tables(path)[1][0] == fresh and load_tables(path)[1][1] == second
+    with pytest.raises(TablesError, match="holds the tables of 'dpkfac'"):
+        update_tables(path, "mkor", [added])
 
 
 def test_markdown() -> None:
