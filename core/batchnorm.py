@@ -132,20 +132,25 @@ class BatchNormBlock:
         self.fisher = RunningFactor()
         self.inverse: Tensor | None = None
         self.batch: Tensor | None = None
-        self._normalised: list[Tensor] = []
+        self._inputs: list[Tensor] = []
         self.failures = 0
         self.nonfinite_skips = 0
 
     def capture_input(self, x: Tensor) -> None:
-        """Store ``x̂``, the input normalised with this batch's statistics (as the forward did)."""
-        self._normalised.append(normalised(x, self.module.eps))
+        """Keep the input (a reference: autograd keeps it for BatchNorm's backward anyway).
+
+        ``x̂`` is computed from it when the gradient arrives, as a short-lived temporary: held
+        from forward to backward it would add a copy of every BatchNorm input to the memory
+        peak (and fresh pages to fault in every step).
+        """
+        self._inputs.append(x)
 
     def capture_grad_output(self, gy: Tensor) -> None:
         """Accumulate the Fisher blocks of the forward call this gradient belongs to.
 
         Backward visits calls of one forward in reverse order, so the stored inputs are a stack.
         """
-        x_hat = self._normalised.pop()
+        x_hat = normalised(self._inputs.pop(), self.module.eps)
         self.fisher.accumulate(fisher_blocks(x_hat, gy.float(), self.mode,
                                              gy.shape[0] * self.grad_multiplier))
 
