@@ -37,31 +37,33 @@ class SymmetricGram:
     ``dtype``.
 
     Args:
+        dim: The factor's dimension.
         dtype: Accumulation and result dtype.
+        device: Where the rows (and so the result) are. The result is allocated here, before
+            any rows: long-lived, it then does not sit between the rows' short-lived buffers
+            and keep the allocator from returning their memory.
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.out: Tensor | None = None
-        self.edges: list[tuple[int, int]] = []
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.out = torch.empty(dim, dim, dtype=dtype, device=device)
+        self.edges = _block_edges(dim)
+        self.beta = 0.0
 
     def add(self, m: Tensor, scale: float) -> None:
         """Add ``scale · m mᵀ``."""
-        beta = 1.0
-        if self.out is None:
-            self.out = torch.empty(m.shape[0], m.shape[0], dtype=self.dtype, device=m.device)
-            self.edges, beta = _block_edges(m.shape[0]), 0.0
         with torch.autocast(device_type=m.device.type, enabled=False):
-            m = m.to(self.dtype)
+            m = m.to(self.out.dtype)
             for i, (r0, r1) in enumerate(self.edges):
                 for c0, c1 in self.edges[i:]:
                     block = self.out[r0:r1, c0:c1]
-                    torch.addmm(block, m[r0:r1], m[c0:c1].T, beta=beta, alpha=scale, out=block)
+                    torch.addmm(block, m[r0:r1], m[c0:c1].T, beta=self.beta, alpha=scale,
+                                out=block)
+        self.beta = 1.0
 
     def result(self) -> Tensor:
         """The symmetric sum (the accumulator must not be used afterwards)."""
         out = self.out
-        assert out is not None, "a factor needs at least one part of rows"
+        assert self.beta == 1.0, "a factor needs at least one part of rows"
         for i, (r0, r1) in enumerate(self.edges):
             diagonal = out[r0:r1, r0:r1]
             diagonal.add_(diagonal.T.clone(memory_format=torch.contiguous_format)).mul_(0.5)

@@ -109,21 +109,23 @@ class KFACLayer:
         helper, dtype = self.helper, self.factor_dtype
         for x in self.captured_inputs:
             self.a.accumulate(self._batch_factor(
+                SymmetricGram(self.a_dim, dtype, x.device),
                 helper.input_slices(x, dtype), partial(helper.a_rows, dtype=dtype),
                 partial(add_a_rows, batch=x.shape[0], scaling=self.scaling), stage))
         for gy, multiplier in self.captured_grads:
             self.g.accumulate(self._batch_factor(
-                helper.grad_slices(gy), helper.g_rows,
-                partial(add_g_rows, batch=gy.shape[0], scaling=self.scaling,
-                        multiplier=multiplier), stage))
+                SymmetricGram(self.g_dim, dtype, gy.device), helper.grad_slices(gy),
+                helper.g_rows, partial(add_g_rows, batch=gy.shape[0], scaling=self.scaling,
+                                       multiplier=multiplier), stage))
         self.captured_inputs, self.captured_grads = [], []
 
-    def _batch_factor(self, slices: Iterable[Tensor], rows_of: Callable[[Tensor], Rows],
+    @staticmethod
+    def _batch_factor(gram: SymmetricGram, slices: Iterable[Tensor],
+                      rows_of: Callable[[Tensor], Rows],
                       add: Callable[[SymmetricGram, Rows], None],
                       stage: Callable[[str], AbstractContextManager[None]]) -> Tensor:
         """One batch factor of a captured tensor, built slice by slice (rows timed as
         ``capture``, their GEMMs as ``factors``), so one slice's rows are alive at a time."""
-        gram = SymmetricGram(self.factor_dtype)
         for part in slices:
             with stage("capture"):
                 rows = rows_of(part)
