@@ -13,12 +13,11 @@ import math
 import torch
 from torch import Tensor
 
-from core.inverse import symmetrised
 from core.layers import Rows
 
 #: Column-block width of the symmetric product: blocks above the diagonal are computed and
 #: mirrored, so a ``d``-square factor costs ``(k + 1) / 2k`` of the full GEMM with ``k`` blocks.
-GRAM_BLOCK = 512
+GRAM_BLOCK = 256
 
 
 def _block_edges(dim: int) -> list[tuple[int, int]]:
@@ -27,28 +26,50 @@ def _block_edges(dim: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
-def _gram(m: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
-    """``scale · m mᵀ`` of a ``(dim, rows)`` matrix in ``dtype``, exactly symmetric.
+class SymmetricGram:
+    """Accumulates ``Σ_k scale_k · m_k m_kᵀ`` over ``(dim, rows_k)`` matrices, exactly symmetric.
 
     Like a symmetric rank-k update (BLAS ``syrk``): only the blocks on and above the diagonal
-    are multiplied (the scale folded into the GEMM); those above are mirrored, those on it
-    symmetrised. Every copy keeps one side contiguous, so none is a strided transpose.
+    are multiplied (the scale folded into the GEMM), accumulating in place part after part, so
+    rows can be built and multiplied a cache-sized slice of the batch at a time; :meth:`result`
+    mirrors the blocks above the diagonal and symmetrises those on it (``(b + bᵀ) / 2``, exactly
+    symmetric since floating-point addition commutes). Autocast is off; parts are cast to
+    ``dtype``.
+
+    Args:
+        dim: The factor's dimension.
+        dtype: Accumulation and result dtype.
+        device: Where the rows (and so the result) are. The result is allocated here, before
+            any rows: long-lived, it then does not sit between the rows' short-lived buffers
+            and keep the allocator from returning their memory.
     """
-    m = m.to(dtype)
-    dim = m.shape[0]
-    out = torch.empty(dim, dim, dtype=dtype, device=m.device)
-    edges = _block_edges(dim)
-    with torch.autocast(device_type=m.device.type, enabled=False):
-        for i, (r0, r1) in enumerate(edges):
-            for c0, c1 in edges[i:]:
-                block = torch.empty(r1 - r0, c1 - c0, dtype=dtype, device=m.device)
-                torch.addmm(block, m[r0:r1], m[c0:c1].T, beta=0.0, alpha=scale, out=block)
-                if r0 == c0:
-                    out[r0:r1, r0:r1] = symmetrised(block)
-                else:
-                    out[r0:r1, c0:c1] = block
-                    out[c0:c1, r0:r1] = block.T.contiguous()
-    return out
+
+    def __init__(self, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.out = torch.empty(dim, dim, dtype=dtype, device=device)
+        self.edges = _block_edges(dim)
+        self.beta = 0.0
+
+    def add(self, m: Tensor, scale: float) -> None:
+        """Add ``scale · m mᵀ``."""
+        with torch.autocast(device_type=m.device.type, enabled=False):
+            m = m.to(self.out.dtype)
+            for i, (r0, r1) in enumerate(self.edges):
+                for c0, c1 in self.edges[i:]:
+                    block = self.out[r0:r1, c0:c1]
+                    torch.addmm(block, m[r0:r1], m[c0:c1].T, beta=self.beta, alpha=scale,
+                                out=block)
+        self.beta = 1.0
+
+    def result(self) -> Tensor:
+        """The symmetric sum (the accumulator must not be used afterwards)."""
+        out = self.out
+        assert self.beta == 1.0, "a factor needs at least one part of rows"
+        for i, (r0, r1) in enumerate(self.edges):
+            diagonal = out[r0:r1, r0:r1]
+            diagonal.add_(diagonal.T.clone(memory_format=torch.contiguous_format)).mul_(0.5)
+            for c0, c1 in self.edges[i + 1:]:
+                out[c0:c1, r0:r1] = out[r0:r1, c0:c1].T
+        return out
 
 
 def _feature_major(rows: Tensor) -> Tensor:
@@ -61,49 +82,52 @@ def _feature_major(rows: Tensor) -> Tensor:
     return rows.permute(2, 0, 1).reshape(rows.shape[2], -1)
 
 
-def a_factor(rows: Rows, scaling: str, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The batch ``A`` factor of captured input rows.
+def add_a_rows(gram: SymmetricGram, rows: Rows, batch: int, scaling: str) -> None:
+    """Add captured input rows to the batch ``A`` factor being accumulated in ``gram``.
 
     Args:
-        rows: ``ā`` rows, ``(B, T, a_dim)``.
+        gram: The accumulator.
+        rows: ``ā`` rows, ``(B_k, T, a_dim)``: the whole batch or a slice of it.
+        batch: Examples ``B`` in the whole batch.
         scaling: ``"kaisa"``, ``"kfc"`` or ``"dpkfac"``.
-        dtype: Accumulation and result dtype.
     """
-    b, t = rows.batch, rows.positions
-    x = rows.rows
+    t, x = rows.positions, rows.rows
     if scaling == "dpkfac" and not rows.spatial:
-        return _gram(x.mean(dim=1).T, 1.0 / b, dtype)
+        gram.add(x.mean(dim=1).T, 1.0 / batch)
+        return
     if not rows.spatial:
-        scale = 1.0 / (b * t)
+        scale = 1.0 / (batch * t)
     else:
-        scale = {"kaisa": 1.0 / (b * t**3), "kfc": 1.0 / b, "dpkfac": 1.0 / (b * t**2)}[scaling]
-    return _gram(_feature_major(x), scale, dtype)
+        scale = {"kaisa": 1.0 / (batch * t**3), "kfc": 1.0 / batch,
+                 "dpkfac": 1.0 / (batch * t**2)}[scaling]
+    gram.add(_feature_major(x), scale)
 
 
-def g_factor(rows: Rows, scaling: str, dtype: torch.dtype = torch.float32,
-             multiplier: float = 1.0) -> Tensor:
-    """The batch ``G`` factor of captured output-gradient rows.
+def add_g_rows(gram: SymmetricGram, rows: Rows, batch: int, scaling: str,
+               multiplier: float = 1.0) -> None:
+    """Add captured output-gradient rows to the batch ``G`` factor being accumulated in ``gram``.
 
     Args:
+        gram: The accumulator.
         rows: rows of ``g`` as autograd hands them for a loss that is a mean over the batch,
-            ``(B, T, g_dim)``.
+            ``(B_k, T, g_dim)``: the whole batch or a slice of it.
+        batch: Examples ``B`` in the whole batch.
         scaling: ``"kaisa"``, ``"kfc"`` or ``"dpkfac"``.
-        dtype: Accumulation and result dtype.
         multiplier: What ``g`` is multiplied by first (accumulation steps over the AMP loss
             scale); it enters the GEMM's scale squared, so ``g`` itself is not rewritten.
     """
-    b, t = rows.batch, rows.positions
-    g = rows.rows
+    b, t, g = batch, rows.positions, rows.rows
     square = multiplier * multiplier
     if scaling == "dpkfac" and not rows.spatial:
-        return _gram(g.mean(dim=1).T, float(b) * square, dtype)
+        gram.add(g.mean(dim=1).T, float(b) * square)
+        return
     if scaling == "kaisa":
         scale = 1.0 / (b * t**3) if rows.spatial else 1.0 / (b * t)
     elif scaling == "kfc":
         scale = b / t
     else:  # dpkfac, spatial: L² · G_c
         scale = float(b * t)
-    return _gram(_feature_major(g), scale * square, dtype)
+    gram.add(_feature_major(g), scale * square)
 
 
 class RunningFactor:

@@ -7,13 +7,14 @@ methods run on which rank and moves its tensors between ranks.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from core.factors import RunningFactor, a_factor, g_factor
+from core.factors import RunningFactor, SymmetricGram, add_a_rows, add_g_rows
 from core.inverse import (
     SIDES,
     DecompositionError,
@@ -22,7 +23,7 @@ from core.inverse import (
     make_state,
     precondition,
 )
-from core.layers import LayerHelper
+from core.layers import LayerHelper, Rows
 from core.timing import StageTimer
 
 
@@ -100,24 +101,39 @@ class KFACLayer:
         """Turn the kept tensors into batch factors (added to the pending ones) and drop them.
 
         Building factors after the backward pass, when autograd has freed the activations,
-        keeps them out of the memory peak; with ``timer``, row building is timed as
-        ``capture`` and the factor GEMMs as ``factors``.
+        keeps them out of the memory peak. Rows that are a copy are built and multiplied one
+        batch slice at a time (see :data:`core.layers.ROW_PART_BYTES`). With ``timer``, row
+        building is timed as ``capture`` and the factor GEMMs as ``factors``.
         """
         stage = timer.stage if timer is not None else _untimed
+        helper, dtype = self.helper, self.factor_dtype
         for x in self.captured_inputs:
-            with stage("capture"):
-                rows = self.helper.a_rows(x, self.factor_dtype)
-            with stage("factors"):
-                self.a.accumulate(a_factor(rows, self.scaling, self.factor_dtype))
-            del rows
+            self.a.accumulate(self._batch_factor(
+                SymmetricGram(self.a_dim, dtype, x.device),
+                helper.input_slices(x, dtype), partial(helper.a_rows, dtype=dtype),
+                partial(add_a_rows, batch=x.shape[0], scaling=self.scaling), stage))
         for gy, multiplier in self.captured_grads:
-            with stage("capture"):
-                rows = self.helper.g_rows(gy)
-            with stage("factors"):
-                self.g.accumulate(g_factor(rows, self.scaling, self.factor_dtype,
-                                           multiplier=multiplier))
-            del rows
+            self.g.accumulate(self._batch_factor(
+                SymmetricGram(self.g_dim, dtype, gy.device), helper.grad_slices(gy),
+                helper.g_rows, partial(add_g_rows, batch=gy.shape[0], scaling=self.scaling,
+                                       multiplier=multiplier), stage))
         self.captured_inputs, self.captured_grads = [], []
+
+    @staticmethod
+    def _batch_factor(gram: SymmetricGram, slices: Iterable[Tensor],
+                      rows_of: Callable[[Tensor], Rows],
+                      add: Callable[[SymmetricGram, Rows], None],
+                      stage: Callable[[str], AbstractContextManager[None]]) -> Tensor:
+        """One batch factor of a captured tensor, built slice by slice (rows timed as
+        ``capture``, their GEMMs as ``factors``), so one slice's rows are alive at a time."""
+        for part in slices:
+            with stage("capture"):
+                rows = rows_of(part)
+            with stage("factors"):
+                add(gram, rows)
+            del rows
+        with stage("factors"):
+            return gram.result()
 
     # Factor stage ----------------------------------------------------------------------------
     def stage_batch_factors(self, timer: StageTimer | None = None) -> None:

@@ -16,6 +16,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+#: Factor rows that are a copy of the captured tensor (im2col patches, rows with a bias entry,
+#: feature-major convolution gradients) are built and multiplied a slice of the batch at a
+#: time, about this many bytes of rows per slice: each slice is still in cache when its GEMM
+#: reads it, and the one small buffer is reused instead of a fresh allocation of the whole
+#: batch's rows (page faults) every step.
+ROW_PART_BYTES = 4 * 2**20
+#: Fewest rows per slice, so that wide factors keep a deep GEMM (the output is read and
+#: written once per slice).
+MIN_PART_ROWS = 1024
+
+
+def batch_slices(tensor: Tensor, rows_per_example: int, dim: int, itemsize: int
+                 ) -> tuple[Tensor, ...]:
+    """``tensor`` split along the batch into slices of about :data:`ROW_PART_BYTES` of rows."""
+    rows = max(ROW_PART_BYTES // (dim * itemsize), MIN_PART_ROWS)
+    return tensor.split(max(1, rows // max(rows_per_example, 1)))
+
 
 class UnsupportedLayerError(TypeError):
     """A module cannot be preconditioned; the message says why and how to skip it."""
@@ -80,6 +97,16 @@ class LayerHelper:
         """Output-gradient rows of a captured output gradient."""
         raise NotImplementedError
 
+    def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        """Batch slices of a captured input whose :meth:`a_rows` are built one at a time
+        (the whole input when its rows are a view of it)."""
+        return (x,)
+
+    def grad_slices(self, gy: Tensor) -> tuple[Tensor, ...]:
+        """Batch slices of a captured output gradient whose :meth:`g_rows` are multiplied one
+        at a time (the whole gradient when its feature-major rows are a view of it)."""
+        return (gy,)
+
     def grad_matrix(self) -> Tensor | None:
         """``∇W̄ = [∇W | ∇b]`` as a ``(g_dim, a_dim)`` matrix, or None if there is no gradient."""
         if self.weight.grad is None:
@@ -118,6 +145,11 @@ class LinearHelper(LayerHelper):
     def g_rows(self, gy: Tensor) -> Rows:
         return Rows(gy.reshape(gy.shape[0], -1, gy.shape[-1]), spatial=False)
 
+    def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        if not self.has_bias:
+            return (x,)
+        return batch_slices(x, x[0].numel() // x.shape[-1], self.a_dim, dtype.itemsize)
+
 
 class Conv2dHelper(LayerHelper):
     """``nn.Conv2d`` (stride, padding, dilation; ``groups=1``): im2col patch rows.
@@ -155,21 +187,36 @@ class Conv2dHelper(LayerHelper):
             return (total[0] // 2, total[1] // 2)
         return padding  # type: ignore[return-value]
 
+    def _output_size(self, h: int, w: int) -> tuple[int, int]:
+        """Output height and width for an unpadded input of ``h × w``."""
+        conv = self.conv
+        (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+        ph, pw = self._padding()
+        return ((h + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
+                (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+
+    def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
+        out_h, out_w = self._output_size(x.shape[2], x.shape[3])
+        return batch_slices(x, out_h * out_w, self.a_dim, dtype.itemsize)
+
+    def grad_slices(self, gy: Tensor) -> tuple[Tensor, ...]:
+        return batch_slices(gy, gy[0].numel() // self.g_dim, self.g_dim, gy.element_size())
+
     def a_rows(self, x: Tensor, dtype: torch.dtype | None = None) -> Rows:
         """im2col rows, written once into a ``(c_in·k_h·k_w [+ 1], B, L)`` buffer.
 
         One strided copy from the (padded) input, with no ``unfold`` output to transpose and no
         concatenation for the bias entry: the rows are a permuted view of the buffer, which
-        :func:`core.factors.a_factor` multiplies without another copy. For a 1x1 stride-1
+        :func:`core.factors.add_a_rows` multiplies without another copy. For a 1x1 stride-1
         convolution the copy is the input itself, channel-major.
         """
         conv = self.conv
         (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
         ph, pw = self._padding()
+        out_h, out_w = self._output_size(x.shape[2], x.shape[3])
         if ph or pw:
             x = F.pad(x, (pw, pw, ph, ph))
-        b, c, h, w = x.shape
-        out_h, out_w = (h - dh * (kh - 1) - 1) // sh + 1, (w - dw * (kw - 1) - 1) // sw + 1
+        b, c = x.shape[:2]
         sb, sc, sy, sx = x.stride()
         patches = x.as_strided((c, kh, kw, b, out_h, out_w),
                                (sc, dh * sy, dw * sx, sb, sh * sy, sw * sx), x.storage_offset())

@@ -409,11 +409,14 @@ class LayerShape:
         a_dim: ``A``'s dimension. g_dim: ``G``'s dimension.
         rows: Rows of the factor GEMMs (examples times positions, or examples when the
             convention averages over positions first).
+        captured: Elements of the layer's input and output gradient, which building its
+            factors (or statistics) must read at least once.
     """
 
     a_dim: int
     g_dim: int
     rows: int
+    captured: int
 
 
 @dataclass
@@ -558,26 +561,28 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     return MethodRun(
         kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
         stages[WARM_STEPS:], built + peak, state_bytes=state_bytes(precond),
-        layers=[LayerShape(layer.a_dim, layer.g_dim, rows[layer.name])
+        layers=[LayerShape(layer.a_dim, layer.g_dim, *rows[layer.name])
                 for layer in precond.layers],
         failures=int(metrics.get("decomposition_failures", 0)
                      + metrics.get("update_failures", 0)))
 
 
 def record_shapes(model: nn.Module, names: Sequence[str], average_positions: bool
-                  ) -> tuple[dict[str, int], list[Any]]:
-    """Forward hooks that record the factor-GEMM rows of the named modules on the next call."""
-    rows: dict[str, int] = {}
+                  ) -> tuple[dict[str, tuple[int, int]], list[Any]]:
+    """Forward hooks that record, on the next call of the named modules, their factor-GEMM rows
+    and the elements of their input and output (the output gradient has the output's shape)."""
+    rows: dict[str, tuple[int, int]] = {}
     modules = dict(model.named_modules())
 
     def hook(name: str) -> Callable[..., None]:
         def run(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
             if isinstance(module, nn.Conv2d):
-                rows[name] = output.shape[0] * output.shape[2] * output.shape[3]
+                count = output.shape[0] * output.shape[2] * output.shape[3]
             elif average_positions:  # dpkfac: a 3-D Linear input is averaged over positions
-                rows[name] = inputs[0].shape[0]
+                count = inputs[0].shape[0]
             else:
-                rows[name] = inputs[0].numel() // inputs[0].shape[-1]
+                count = inputs[0].numel() // inputs[0].shape[-1]
+            rows[name] = (count, inputs[0].numel() + output.numel())
         return run
 
     handles = [modules[name].register_forward_hook(hook(name)) for name in names]
@@ -596,24 +601,35 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     rank-1 statistics and updates, Eva's closed form, the scale and write-back) counts the
     passes over its data at the copy bandwidth. Capture (building factor rows) has no bound of
     its own: a lower bound need not materialise rows, so it counts as overhead of ``factors``.
+    Every stage must also read its inputs once at the copy bandwidth (the captured input and
+    output gradient for ``factors``; factors, gradients and inverses for the others), so each
+    layer's bound is the larger of that read and its compute, which can overlap.
     """
     word = 4  # fp32
     update = dict.fromkeys(WORK, 0.0)
     plain = dict.fromkeys(WORK, 0.0)
+
+    def at_least_read(seconds: float, elements: int) -> float:
+        return max(seconds, elements * word / rates.bandwidth)
+
     for layer in layers:
         a, g, rows = layer.a_dim, layer.g_dim, layer.rows
-        gemm = 2 * g * a * (g + a) / rates.at("gemm", min(g, a))
+        squares = a * a + g * g
+        gemm = at_least_read(2 * g * a * (g + a) / rates.at("gemm", min(g, a)), g * a + squares)
         scale = 3 * g * a * word / rates.bandwidth  # read P and the gradient, write .grad
         if method.kind == "kfac":
-            update["factors"] += sum(rows * d * d / rates.at("gemm", d) for d in (a, g))
+            update["factors"] += at_least_read(
+                sum(rows * d * d / rates.at("gemm", d) for d in (a, g)), layer.captured)
             kind = method.decomposition
-            update["inversion"] += sum(d**3 / rates.at(kind, d) for d in (a, g))
+            update["inversion"] += at_least_read(
+                sum(d**3 / rates.at(kind, d) for d in (a, g)), squares)
             rotations = 2 if kind == "eigh" else 1
             step_work = {"precondition": rotations * gemm, "scale": scale}
         else:
-            update["factors"] += rows * (a + g) * word / rates.bandwidth  # row means
+            update["factors"] += at_least_read(  # row means
+                rows * (a + g) * word / rates.bandwidth, layer.captured)
             if method.kind == "mkor":  # matvec, then the rank-1 update (read and write)
-                update["inversion"] += 3 * (a * a + g * g) * word / rates.bandwidth
+                update["inversion"] += 3 * squares * word / rates.bandwidth
                 step_work = {"precondition": gemm, "scale": scale}
             else:  # eva: a bilinear form, then one rank-1 update of the gradient
                 step_work = {"precondition": 3 * g * a * word / rates.bandwidth, "scale": scale}

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.batchnorm import BN_FISHER_MODES, BatchNormPreconditioner, arrange, split
+from core.batchnorm import BN_FISHER_MODES, BatchNormPreconditioner, arrange, normalised, split
 from core.config import ConfigError
 
 
@@ -172,3 +172,19 @@ def test_evaluation_passes_are_not_captured_and_bad_options_are_rejected() -> No
     with pytest.raises(ConfigError, match="damping"):
         BatchNormPreconditioner(model, damping=0.0)
     assert len(BatchNormPreconditioner(model, skip_layers=[r"^6$"]).blocks) == 1
+
+
+@pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5), (3, 3, 4, 5)])
+def test_normalised_input_equals_dense_mean_and_variance(shape: tuple[int, ...]) -> None:
+    """``x̂`` from the fused kernel equals ``(x − mean) / sqrt(var + eps)`` over all
+    non-channel dimensions (biased variance), and a NaN poisons only its own channel."""
+    torch.manual_seed(7)
+    x = 3.0 + 2.0 * torch.randn(shape, dtype=torch.float64)
+    dims = (0, *range(2, x.dim()))
+    mean = x.mean(dims, keepdim=True)
+    var = x.var(dims, unbiased=False, keepdim=True)
+    dense = (x - mean) / torch.sqrt(var + 1e-5)
+    torch.testing.assert_close(normalised(x.float(), 1e-5).double(), dense, rtol=1e-5, atol=1e-5)
+    x[(0, 1) + (0,) * (x.dim() - 2)] = float("nan")
+    x_hat = normalised(x.float(), 1e-5)
+    assert x_hat[:, 1].isnan().all() and x_hat[:, [0, 2]].isfinite().all()

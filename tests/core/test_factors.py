@@ -132,3 +132,38 @@ def test_blocked_symmetric_product_is_exact_and_symmetric(monkeypatch: pytest.Mo
     torch.testing.assert_close(a, ref_a)
     torch.testing.assert_close(g, ref_g)
     assert torch.equal(a, a.T) and torch.equal(g, g.T)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("conv_args", CONVS[:2])
+def test_factors_built_slice_by_slice_equal_the_whole_batch(
+        monkeypatch: pytest.MonkeyPatch, scaling: str, conv_args: dict) -> None:
+    """Rows built and multiplied one example at a time (the cache-sized slices of large
+    batches) give the naive factors of the whole batch."""
+    monkeypatch.setattr("core.layers.ROW_PART_BYTES", 1)
+    monkeypatch.setattr("core.layers.MIN_PART_ROWS", 1)
+    monkeypatch.setattr("core.factors.GRAM_BLOCK", 2)
+    torch.manual_seed(6)
+    conv = nn.Conv2d(2, 3, **conv_args).double()
+    x = torch.randn(3, 2, 7, 6, dtype=torch.float64)
+    a, g, gy = captured_factors(conv, x, scaling)
+    patches = conv_patches_naive(x, conv)
+    if conv.bias is not None:
+        patches = with_bias_column(patches)
+    ref_a, ref_g = reference_factors(patches, gy.flatten(2).transpose(1, 2), spatial=True,
+                                     scaling=scaling)
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(g, ref_g)
+    assert torch.equal(a, a.T) and torch.equal(g, g.T)
+
+
+def test_linear_factors_with_bias_built_slice_by_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("core.layers.ROW_PART_BYTES", 1)
+    monkeypatch.setattr("core.layers.MIN_PART_ROWS", 1)
+    torch.manual_seed(7)
+    layer = nn.Linear(4, 6).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    a, g, gy = captured_factors(layer, x, "kaisa")
+    ref_a, ref_g = reference_factors(with_bias_column(x), gy, spatial=False, scaling="kaisa")
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(g, ref_g)
