@@ -164,8 +164,8 @@ class EvaPreconditioner(Rank1Preconditioner):
         self.last_kl_scale = scale
         for layer in self.layers:
             p = preconditioned.get(layer.name)
-            if p is not None:
-                layer.helper.set_grad(p * scale)
+            if p is not None:  # P is ours: scaled in place or while being copied
+                layer.helper.set_grad(p, scale if scale != 1.0 else None)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, KL-clip scale and damping."""

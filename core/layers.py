@@ -119,20 +119,48 @@ class LayerHelper:
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
-    def set_grad(self, matrix: Tensor) -> None:
-        """Write a ``(g_dim, a_dim)`` matrix back into ``.grad`` of weight and bias."""
+    def set_grad(self, matrix: Tensor, scale: Tensor | float | None = None) -> None:
+        """Write a ``(g_dim, a_dim)`` matrix (times ``scale``, if given) into ``.grad`` of
+        weight and bias.
+
+        Without a bias the weight's gradient becomes a view of ``matrix``, which ``scale``
+        then multiplies in place (so pass a matrix the caller owns). With a bias the columns
+        are copied, scaled on the way, into the existing ``.grad`` tensors where they fit (no
+        fresh buffers to allocate and fault in every step).
+        """
         weight = self.weight
         w_cols = weight[0].numel()
-        weight.grad = matrix[:, :w_cols].reshape(weight.shape).to(weight.dtype).contiguous()
-        if self.has_bias:
-            bias = self.module.bias
-            bias.grad = matrix[:, w_cols].reshape(bias.shape).to(bias.dtype).contiguous()  # type: ignore[union-attr]
+        if not self.has_bias:
+            if scale is not None:
+                matrix = matrix.mul_(scale)
+            weight.grad = matrix.reshape(weight.shape).to(weight.dtype).contiguous()
+            return
+        _write_grad(weight, matrix[:, :w_cols], scale)
+        _write_grad(self.module.bias, matrix[:, w_cols], scale)  # type: ignore[arg-type]
 
     def _append_bias(self, rows: Tensor) -> Tensor:
         if not self.has_bias:
             return rows
         ones = rows.new_ones(*rows.shape[:-1], 1)
         return torch.cat([rows, ones], dim=-1)
+
+
+def _write_grad(param: Tensor, value: Tensor, scale: Tensor | float | None) -> None:
+    """``param.grad = value · scale`` (contiguous), written into the current ``.grad`` when it
+    has the right shape and dtype and does not share memory with ``value``."""
+    value = value.reshape(param.shape)
+    grad = param.grad
+    if (grad is not None and grad.shape == param.shape and grad.dtype == param.dtype
+            and grad.is_contiguous()
+            and grad.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()):
+        if scale is None:
+            grad.copy_(value)
+        else:
+            torch.mul(value, scale, out=grad)
+        return
+    if scale is not None:
+        value = value * scale
+    param.grad = value.to(param.dtype).contiguous()
 
 
 class LinearHelper(LayerHelper):

@@ -71,30 +71,11 @@ def stabiliser_fires(inverse: Tensor, epsilon: float) -> bool:
     return bool(max_abs(inverse) > epsilon)
 
 
-def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: float = 1.0
-                   ) -> Tensor:
-    """One rank-1 update of a symmetric inverse factor with the statistic ``v``.
+def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: float = 1.0
+                 ) -> tuple[float, float, Tensor, Tensor]:
+    """``(a, d, x, u)`` with ``L_t⁻¹ = a·L⁻¹ + x uᵀ + d·I`` (see :func:`update_inverse`).
 
-    The factor updated is ``M = blend·L⁻¹ + (1 − blend)·I``: ``L_{t−1}⁻¹`` itself for
-    ``blend=1``, the stabilised one for ``blend=ζ``.
-
-    Args:
-        inverse: ``L_{t−1}⁻¹``, symmetric (inverse factors start at ``I`` and every rule keeps
-            them exactly symmetric).
-        v: ``ḡ`` (or ``ā`` for the right factor).
-        gamma: ``γ``, the weight of the old factor in ``L_t = γ L_{t−1} + (1 − γ) v vᵀ``.
-        rule: ``"exact"``: the Sherman–Morrison inverse of that recursion,
-            ``(1/γ) M − ((1−γ)/γ²) (M v vᵀ M) / (1 + ((1−γ)/γ) vᵀ M v)``.
-            ``"paper"``: the formula as printed in the paper (Eq. 5/6),
-            ``γ M + (1−γ) / (γ² (1 + γ(1−γ) vᵀ M v)) · M v vᵀ M``; it is not the inverse of
-            the recursion. ``"official"``: the released code, ``M' = γ M + (1−γ) I``,
-            ``M' − (M' v vᵀ M') / (1 + vᵀ M' v)``.
-        blend: The stabiliser's weight ``ζ`` of ``L⁻¹``, or 1.
-
-    Returns:
-        ``L_t⁻¹``, exactly symmetric. Every rule is ``a·L⁻¹ + d·I + s·u uᵀ`` with ``u`` the
-        product of ``v`` with the blended factor (``= vᵀ M`` by symmetry): one ``addr`` pass
-        over the matrix and a diagonal update; the blend is never materialised.
+    One matrix-vector product reads ``L⁻¹``; the rest is vector work.
     """
     if rule not in UPDATE_RULES:
         raise ValueError(f"unknown update rule {rule!r}")
@@ -113,10 +94,65 @@ def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: f
         else:  # paper
             scale, shift = gamma * blend, gamma * (1.0 - blend)
             coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
-    new = torch.addr(inverse, u * coeff, u, beta=scale)
+    return scale, shift, u * coeff, u
+
+
+def apply_update(inverse: Tensor, terms: tuple[float, float, Tensor, Tensor], *,
+                 in_place: bool = False) -> Tensor:
+    """``a·L⁻¹ + x uᵀ + d·I`` for ``terms = (a, d, x, u)``: one ``addr`` pass over the matrix
+    and a diagonal update. ``in_place`` overwrites ``inverse`` (the same values, bit for bit,
+    without a fresh matrix to allocate and fault in)."""
+    scale, shift, left, right = terms
+    if in_place:
+        new = inverse.addr_(left, right, beta=scale)
+    else:
+        new = torch.addr(inverse, left, right, beta=scale)
     if shift:
         new.diagonal().add_(shift)
     return new
+
+
+def cannot_overflow(terms: tuple[float, float, Tensor, Tensor], peak: Tensor,
+                    dtype: torch.dtype) -> bool:
+    """Whether ``a·L⁻¹ + x uᵀ + d·I`` is certainly finite in ``dtype``, given ``peak = max |L⁻¹|``.
+
+    Every entry is at most ``|a|·peak + max|x|·max|u| + |d|`` in magnitude (up to rounding);
+    with that below half the dtype's largest value nothing overflows, and finite inputs give
+    no NaN. False when any input is not finite (the bound is then NaN or infinite).
+    """
+    scale, shift, left, right = terms
+    bound = (abs(scale) * float(peak) + float(max_abs(left)) * float(max_abs(right))
+             + abs(shift))
+    return bound < 0.5 * torch.finfo(dtype).max
+
+
+def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: float = 1.0
+                   ) -> Tensor:
+    """One rank-1 update of a symmetric inverse factor with the statistic ``v``.
+
+    The factor updated is ``M = blend·L⁻¹ + (1 − blend)·I``: ``L_{t−1}⁻¹`` itself for
+    ``blend=1``, the stabilised one for ``blend=ζ``.
+
+    Args:
+        inverse: ``L_{t−1}⁻¹``, symmetric (inverse factors start at ``I`` and every rule keeps
+            them symmetric).
+        v: ``ḡ`` (or ``ā`` for the right factor).
+        gamma: ``γ``, the weight of the old factor in ``L_t = γ L_{t−1} + (1 − γ) v vᵀ``.
+        rule: ``"exact"``: the Sherman–Morrison inverse of that recursion,
+            ``(1/γ) M − ((1−γ)/γ²) (M v vᵀ M) / (1 + ((1−γ)/γ) vᵀ M v)``.
+            ``"paper"``: the formula as printed in the paper (Eq. 5/6),
+            ``γ M + (1−γ) / (γ² (1 + γ(1−γ) vᵀ M v)) · M v vᵀ M``; it is not the inverse of
+            the recursion. ``"official"``: the released code, ``M' = γ M + (1−γ) I``,
+            ``M' − (M' v vᵀ M') / (1 + vᵀ M' v)``.
+        blend: The stabiliser's weight ``ζ`` of ``L⁻¹``, or 1.
+
+    Returns:
+        ``L_t⁻¹`` (a new matrix). Every rule is ``a·L⁻¹ + d·I + s·u uᵀ`` with ``u`` the
+        product of ``v`` with the blended factor (``= vᵀ M`` by symmetry): one ``addr`` pass
+        over the matrix and a diagonal update (:func:`update_terms`, :func:`apply_update`);
+        the blend is never materialised.
+    """
+    return apply_update(inverse, update_terms(inverse, v, gamma, rule, blend))
 
 
 def rescale_to_gradient(p: Tensor, grad: Tensor) -> Tensor:
@@ -195,6 +231,9 @@ class MKORLayer(Rank1Layer):
         self.g_vec: Tensor | None = None
         self.stabilisations = 0
         self.update_failures = 0
+        # max |·| of each inverse in the arithmetic dtype, cached from its last update.
+        self._a_peak: Tensor | None = None
+        self._g_peak: Tensor | None = None
 
     def update(self, a: Tensor, g: Tensor, *, gamma: float, rule: str, epsilon: float,
                zeta: float) -> None:
@@ -203,24 +242,40 @@ class MKORLayer(Rank1Layer):
         An update whose result is not finite in the storage dtype is skipped (the last inverse
         is kept) and counted in :attr:`update_failures`.
         """
-
-        def updated(side: str, inverse: Tensor, v: Tensor) -> Tensor:
-            current = inverse.to(self.dtype)
-            fired = stabiliser_fires(current, epsilon)
-            self.stabilisations += int(fired)
-            new = update_inverse(current, v, gamma, rule, blend=zeta if fired else 1.0)
-            new = new.to(self.storage_dtype)
-            if bool(max_abs(new).isfinite()):
-                return new
-            self.update_failures += 1
-            warnings.warn(f"{self.name}: {side}⁻¹ update is not finite in {self.storage_dtype}; "
-                          f"keeping the last inverse ({self.update_failures} failures so far)",
-                          stacklevel=5)
-            return inverse
-
         self.a_vec, self.g_vec = a.clone(), g.clone()
-        self.a_inv = updated("R", self.a_inv, a)
-        self.g_inv = updated("L", self.g_inv, g)
+        self.a_inv, self._a_peak = self._updated("R", self.a_inv, self._a_peak, a, gamma, rule,
+                                                 epsilon, zeta)
+        self.g_inv, self._g_peak = self._updated("L", self.g_inv, self._g_peak, g, gamma, rule,
+                                                 epsilon, zeta)
+
+    def _updated(self, side: str, inverse: Tensor, peak: Tensor | None, v: Tensor,
+                 gamma: float, rule: str, epsilon: float, zeta: float
+                 ) -> tuple[Tensor, Tensor]:
+        """The next inverse of one side and its ``max |·|`` (in the arithmetic dtype).
+
+        Passes over the matrix: the matrix-vector product, the ``addr`` update and the
+        ``max |·|`` of the result, which both checks it is finite and is the next update's
+        stabiliser trigger (cached, so the stabiliser does not read the matrix again). When
+        the storage dtype is the arithmetic one and the result provably cannot overflow
+        (:func:`cannot_overflow`), the matrix is updated in place; otherwise the update goes
+        to a new matrix and the old one stays for the failure path.
+        """
+        if peak is None:  # first update, or after load_state_dict
+            peak = max_abs(inverse).to(self.dtype)
+        fired = bool(peak > epsilon)  # the stabiliser: max |L⁻¹| > ε
+        self.stabilisations += int(fired)
+        work = inverse.to(self.dtype)  # the stored inverse itself when the dtypes agree
+        terms = update_terms(work, v, gamma, rule, blend=zeta if fired else 1.0)
+        in_place = work is not inverse or cannot_overflow(terms, peak, self.storage_dtype)
+        new = apply_update(work, terms, in_place=in_place).to(self.storage_dtype)
+        new_peak = max_abs(new)
+        if bool(new_peak.isfinite()):
+            return new, new_peak.to(self.dtype)
+        self.update_failures += 1
+        warnings.warn(f"{self.name}: {side}⁻¹ update is not finite in {self.storage_dtype}; "
+                      f"keeping the last inverse ({self.update_failures} failures so far)",
+                      stacklevel=5)
+        return inverse, peak
 
     def precondition(self, grad: Tensor) -> Tensor:
         """``L⁻¹ ∇W̄ R⁻¹`` in the arithmetic dtype."""
@@ -243,8 +298,10 @@ class MKORLayer(Rank1Layer):
             if tuple(state[key].shape) != (dim, dim):
                 raise ValueError(f"{self.name}: saved {key} has shape {tuple(state[key].shape)}, "
                                  f"this layer needs {(dim, dim)}")
-        self.a_inv = state["a_inv"].to(self.device, self.storage_dtype)
-        self.g_inv = state["g_inv"].to(self.device, self.storage_dtype)
+        # Copies: updates may overwrite the inverses in place.
+        self.a_inv = state["a_inv"].to(self.device, self.storage_dtype, copy=True)
+        self.g_inv = state["g_inv"].to(self.device, self.storage_dtype, copy=True)
+        self._a_peak = self._g_peak = None
         self.a_vec, self.g_vec = state["a_vec"], state["g_vec"]
         self.stabilisations = int(state["stabilisations"])
         self.update_failures = int(state["update_failures"])
@@ -296,14 +353,21 @@ class MKORPreconditioner(Rank1Preconditioner):
 
     def _scale_and_write(self, grads: dict[str, Tensor | None],
                          preconditioned: dict[str, Tensor]) -> None:
+        """Rescale each ``P`` to its gradient's norm (:func:`rescale_to_gradient`) on its way
+        into ``.grad``: ``P`` is ours, so it is scaled in place or while being copied."""
         for layer in self.layers:
             p = preconditioned.get(layer.name)
             grad = grads[layer.name]
             if p is None or grad is None:
                 continue
-            if self.config.rescale:
-                p = rescale_to_gradient(p, grad.to(p.dtype))
-            layer.helper.set_grad(p)
+            if not self.config.rescale:
+                layer.helper.set_grad(p)
+                continue
+            p_norm = torch.linalg.vector_norm(p)
+            if not bool(p_norm > 0):
+                layer.helper.set_grad(grad)
+                continue
+            layer.helper.set_grad(p, torch.linalg.vector_norm(grad.to(p.dtype)) / p_norm)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, stabiliser firings and update failures."""
