@@ -835,6 +835,7 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
                 "n/a (state below the probe's noise)" if noisy else None)
     fastest = min(peers.resnet_inverse.values())
     for workload, method, peer in (("resnet18-32", "kfac-inverse", fastest),
+                                   ("resnet18-32", "kfac-solve", fastest),
                                    ("resnet18-32", "dp-kfac", fastest),
                                    ("bert-small", "dp-kfac", peers.bert_dpkfac),
                                    ("bert-small", "mkor", peers.bert_mkor)):
