@@ -1,11 +1,14 @@
 """Inversion of damped Kronecker factors and the preconditioning products.
 
-Three methods (KFAC_MATH.md "Inversion and damping"):
+Four methods (KFAC_MATH.md "Inversion and damping"):
 
 * ``eigen``: ``P = Q_G [(Q_Gᵀ ∇W̄ Q_A) ⊘ (d_G d_Aᵀ + λ)] Q_Aᵀ = (G ⊗ A + λI)⁻¹ vec ∇W̄``;
   the damping enters at preconditioning time, so it can change without a new decomposition.
 * ``inverse`` / ``cholesky``: ``P = (G + λ_G I)⁻¹ ∇W̄ (A + λ_A I)⁻¹`` with the damping split
   ``full`` (``λ_A = λ_G = λ``) or ``pi`` (``λ_A = π√λ``, ``λ_G = √λ/π``).
+* ``cholesky_solve``: the same ``P``, from the Cholesky factors ``L`` of the damped factors by
+  triangular solves, without forming the inverses: each inverse update costs the factorisation
+  only (about a third of ``cholesky``'s work), and a step's solves cost what its products do.
 
 Failure policy: a decomposition that raises or returns non-finite values is retried in fp64; if
 that fails too, :class:`DecompositionError` is raised and the caller keeps its last good state.
@@ -49,9 +52,11 @@ class _SidedState:
 
     Attributes:
         symmetric: Whether every tensor is a symmetric matrix (may travel as an upper triangle).
+        kind: The name that :func:`make_state` rebuilds the state from (saved in checkpoints).
     """
 
     symmetric: ClassVar[bool]
+    kind: ClassVar[str]
 
     def tensors(self) -> list[Tensor]:
         raise NotImplementedError
@@ -77,6 +82,7 @@ class EigenState(_SidedState):
     qg: Tensor
     dg: Tensor
     symmetric: ClassVar[bool] = False
+    kind: ClassVar[str] = "eigen"
 
     def tensors(self) -> list[Tensor]:
         return [self.qa, self.da, self.qg, self.dg]
@@ -89,19 +95,42 @@ class InverseState(_SidedState):
     a_inv: Tensor
     g_inv: Tensor
     symmetric: ClassVar[bool] = True
+    kind: ClassVar[str] = "inverse"
 
     def tensors(self) -> list[Tensor]:
         return [self.a_inv, self.g_inv]
 
 
-SecondOrderState = EigenState | InverseState
+@dataclass
+class CholeskyState(_SidedState):
+    """Lower-triangular Cholesky factors ``L_A``, ``L_G`` of the damped factors
+    (``A + λ_A I = L_A L_Aᵀ``, ``G + λ_G I = L_G L_Gᵀ``), row-major, zero above the diagonal.
+
+    Not symmetric: packing a symmetric upper triangle would send the zeros and lose ``L``.
+    """
+
+    a_chol: Tensor
+    g_chol: Tensor
+    symmetric: ClassVar[bool] = False
+    kind: ClassVar[str] = "cholesky_solve"
+
+    def tensors(self) -> list[Tensor]:
+        return [self.a_chol, self.g_chol]
+
+
+SecondOrderState = EigenState | InverseState | CholeskyState
+
+#: The state class of each inverse method (``inverse`` and ``cholesky`` share theirs).
+STATE_TYPES: dict[str, type[SecondOrderState]] = {
+    "eigen": EigenState, "inverse": InverseState, "cholesky": InverseState,
+    "cholesky_solve": CholeskyState,
+}
 
 
 def make_state(method: str, tensors: Sequence[Tensor]) -> SecondOrderState:
-    """The state of ``method`` built from its tensors in :meth:`tensors` order."""
-    if method == "eigen":
-        return EigenState(*tensors)
-    return InverseState(*tensors)
+    """The state of ``method`` (or of a state's :attr:`~_SidedState.kind`) built from its
+    tensors in :meth:`tensors` order."""
+    return STATE_TYPES[method](*tensors)
 
 
 def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matrix: Tensor,
@@ -124,10 +153,15 @@ def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matr
     raise DecompositionError(f"{name} failed ({'; '.join(errors)})")
 
 
+def _require_finite(name: str, factor: Tensor) -> None:
+    """Raise :class:`DecompositionError` (for method ``name``) if ``factor`` is not finite."""
+    if not all_finite([factor]):
+        raise DecompositionError(f"{name} failed: the factor has non-finite entries")
+
+
 def eigen_decompose(factor: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Eigenbasis and non-negative eigenvalues of a symmetric factor."""
-    if not all_finite([factor]):
-        raise DecompositionError("eigh failed: the factor has non-finite entries")
+    _require_finite("eigh", factor)
 
     def eigh(m: Tensor) -> tuple[Tensor, Tensor]:
         d, q = torch.linalg.eigh(m)
@@ -145,6 +179,32 @@ def symmetrised(m: Tensor) -> Tensor:
     return m.add_(m.T.contiguous()).mul_(0.5)
 
 
+def _damped(m: Tensor, shift: float) -> Tensor:
+    """``m + shift·I`` in a fresh row-major matrix."""
+    out = m.clone(memory_format=torch.contiguous_format)
+    out.diagonal().add_(shift)
+    return out
+
+
+def _cholesky_in_place(matrix: Tensor, *, upper: bool) -> int:
+    """Cholesky-factor the symmetric row-major ``matrix`` in its own memory; LAPACK's ``info``
+    (0 on success, else the order of the first minor that is not positive definite).
+
+    LAPACK works on the column-major view ``matrix.T``, which is the same matrix, and writes the
+    factor over it: ``upper=False`` leaves ``L`` in that view (so ``Lᵀ`` in ``matrix``),
+    ``upper=True`` leaves ``Lᵀ`` in it (so ``L`` in ``matrix``); torch zeroes the other
+    triangle. No copy and no scratch matrix.
+    """
+    column_major = matrix.T
+    info = torch.empty((), dtype=torch.int32, device=matrix.device)
+    torch.linalg.cholesky_ex(column_major, upper=upper, out=(column_major, info))
+    return int(info)
+
+
+def _not_positive_definite(info: int) -> RuntimeError:
+    return RuntimeError(f"matrix not positive definite (minor {info})")
+
+
 def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype) -> Tensor:
     """``(F + shift·I)⁻¹``, exactly symmetric.
 
@@ -155,35 +215,58 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
     copy of the factor (LAPACK works in place on the column-major view of the symmetric
     matrix), so a decomposition needs one matrix of scratch memory, not three.
     """
-    if not all_finite([factor]):
-        raise DecompositionError(f"{method} failed: the factor has non-finite entries")
-
-    def damped(m: Tensor) -> Tensor:
-        out = m.clone(memory_format=torch.contiguous_format)
-        out.diagonal().add_(shift)
-        return out
+    _require_finite(method, factor)
 
     def invert(m: Tensor) -> tuple[Tensor]:
-        matrix = damped(m)
+        matrix = _damped(m, shift)
         if matrix.device.type == "cpu":
-            # Symmetric, so the column-major view is the same matrix; potrf and potri then
-            # run in its memory and torch fills both triangles.
-            column_major = matrix.T
-            info = torch.empty((), dtype=torch.int32)
-            torch.linalg.cholesky_ex(column_major, out=(column_major, info))
-            if int(info) == 0:
+            # potrf and then potri in the column-major view; torch fills both triangles.
+            info = _cholesky_in_place(matrix, upper=False)
+            if info == 0:
+                column_major = matrix.T
                 torch.cholesky_inverse(column_major, out=column_major)
                 return (matrix,)
         else:
-            chol, info = torch.linalg.cholesky_ex(matrix)
-            if int(info) == 0:
+            chol, info_tensor = torch.linalg.cholesky_ex(matrix)
+            info = int(info_tensor)
+            if info == 0:
                 return (symmetrised(torch.cholesky_inverse(chol)),)
         if method == "cholesky":
-            raise RuntimeError(f"matrix not positive definite (minor {int(info)})")
-        return (symmetrised(torch.linalg.inv(damped(m))),)
+            raise _not_positive_definite(info)
+        return (symmetrised(torch.linalg.inv(_damped(m, shift))),)
 
     (inv,) = _with_fp64_retry(method, invert, factor, dtype)
     return inv
+
+
+def damped_cholesky(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor:
+    """The lower-triangular ``L`` with ``F + shift·I = L Lᵀ`` (row-major, zero above the
+    diagonal), for method ``"cholesky_solve"``.
+
+    Like ``"cholesky"`` there is no LU fallback: a damped factor that is not positive definite
+    in fp64 either is a failure. So is one whose damped inverse would leave ``dtype``'s range
+    (the failure ``"cholesky"`` detects in its inverse): ``(LLᵀ)⁻¹_ii = Σ_k (L⁻¹)_ki² ≥
+    1/L_ii²``, so a pivot whose ``1/L_ii²`` overflows means an inverse entry at least as large,
+    and solves that would scale the gradient by it.
+
+    Raises:
+        DecompositionError: if ``factor`` is not finite, the damped factor is not positive
+            definite in ``dtype`` nor in fp64, or its inverse exceeds ``dtype``'s range.
+    """
+    _require_finite("cholesky_solve", factor)
+
+    def factorise(m: Tensor) -> tuple[Tensor]:
+        matrix = _damped(m, shift)
+        info = _cholesky_in_place(matrix, upper=True)
+        if info:
+            raise _not_positive_definite(info)
+        return (matrix,)
+
+    (chol,) = _with_fp64_retry("cholesky_solve", factorise, factor, dtype)
+    if not all_finite([chol.diagonal().square().reciprocal()]):
+        raise DecompositionError(f"cholesky_solve failed: the damped inverse exceeds {dtype}'s "
+                                 "range (a pivot's reciprocal square overflows)")
+    return chol
 
 
 def pi_split(a: Tensor, g: Tensor) -> float:
@@ -212,18 +295,36 @@ def compute_sides(a: Tensor, g: Tensor, *, method: str, damping: float, split: s
     Both factors are needed even for one side: the ``pi`` damping split reads both traces.
 
     Returns:
-        Per side, its tensors in :meth:`EigenState.side_tensors` / ``InverseState`` order.
+        Per side, its tensors in the ``side_tensors`` order of ``method``'s state.
     """
     if method == "eigen":
         return {side: eigen_decompose(a if side == "a" else g, dtype) for side in sides}
     shifts = dict(zip(SIDES, factor_shifts(a, g, damping, split), strict=True))
-    return {side: (damped_inverse(a if side == "a" else g, shifts[side], method, dtype),)
-            for side in sides}
+
+    def damped(side: str) -> Tensor:
+        factor = a if side == "a" else g
+        if method == "cholesky_solve":
+            return damped_cholesky(factor, shifts[side], dtype)
+        return damped_inverse(factor, shifts[side], method, dtype)
+
+    return {side: (damped(side),) for side in sides}
 
 
 def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tensor:
     """The preconditioned gradient matrix ``P`` of ``∇W̄`` (shape ``(g_dim, a_dim)``)."""
-    grad = grad.to(state.tensors()[0].dtype)
+    dtype = state.tensors()[0].dtype
+    if isinstance(state, CholeskyState):
+        # P = L_G⁻ᵀ L_G⁻¹ ∇W̄ L_A⁻ᵀ L_A⁻¹, four triangular solves in one row-major copy of ∇W̄:
+        # with out=B, torch transposes the equation for a row-major B rather than copying it,
+        # and passes either layout of L to BLAS as is, so no matrix is copied or transposed.
+        p = grad.to(dtype, memory_format=torch.contiguous_format, copy=True)
+        solve = torch.linalg.solve_triangular
+        solve(state.g_chol, p, upper=False, out=p)
+        solve(state.g_chol.mT, p, upper=True, out=p)
+        solve(state.a_chol.mT, p, upper=True, left=False, out=p)
+        solve(state.a_chol, p, upper=False, left=False, out=p)
+        return p
+    grad = grad.to(dtype)
     if isinstance(state, EigenState):
         rotated = state.qg.T @ grad @ state.qa
         rotated /= torch.outer(state.dg, state.da).add_(damping)

@@ -245,7 +245,7 @@ class KFACLayer:
             "state_kind": None, "state": None, "valid_sides": sorted(self.valid_sides),
         }
         if self.state is not None:
-            state["state_kind"] = "inverse" if self.state.symmetric else "eigen"
+            state["state_kind"] = self.state.kind
             state["state"] = [t.clone() for t in self.state.tensors()]
         return state
 

@@ -24,7 +24,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import all_finite, kl_clip_factor
+from core.inverse import STATE_TYPES, all_finite, kl_clip_factor
 from core.kfac_layer import KFACLayer
 from core.layers import helper_for
 from core.strategy import Strategy
@@ -306,6 +306,13 @@ class KFACPreconditioner:
             extra = sorted(set(state["layers"]) - names)
             raise ValueError(f"preconditioner state does not match the model's layers "
                              f"(missing {missing}, unexpected {extra})")
+        # Same-shaped states of another method (inverses vs Cholesky factors) would be
+        # silently misread, so the saved kind must be this method's.
+        kind = STATE_TYPES[self.config.inverse_method].kind
+        saved_kinds = {s["state_kind"] for s in state["layers"].values()} - {None, kind}
+        if saved_kinds:
+            raise ValueError(f"preconditioner state holds {sorted(saved_kinds)} states, "
+                             f"inverse_method={self.config.inverse_method!r} needs {kind!r}")
         for layer in self.layers:
             layer.load_state_dict(state["layers"][layer.name])
         self.strategy.load_state_dict(state["strategy"])

@@ -79,6 +79,8 @@ WORK = ("capture", "factors", "inversion", "precondition", "scale")
 #: fraction of the matmul's: LAPACK's Cholesky factorisation (n³/3) plus inverse (2n³/3), and
 #: eigh with vectors (tridiagonalisation 4n³/3, divide and conquer and back-transformation).
 NOMINAL_FLOPS = {"cholesky": 1.0, "eigh": 4.0}
+#: Nominal FLOPs per n³ of the Cholesky factorisation alone (K-FAC's ``cholesky_solve``).
+FACTORISATION_FLOPS = 1.0 / 3.0
 
 Batch = dict[str, Tensor]
 
@@ -378,11 +380,20 @@ class Method:
         """Kernel kind of the inversion stage (``eigh`` or ``cholesky``; rank-1 methods: none)."""
         return "eigh" if self.options.get("inverse_method") == "eigen" else "cholesky"
 
+    @property
+    def decomposition_flops(self) -> float:
+        """Nominal FLOPs per ``n³`` of the inversion stage: its kernel kind's
+        :data:`NOMINAL_FLOPS`, except ``cholesky_solve``, which stops after the factorisation."""
+        if self.options.get("inverse_method") == "cholesky_solve":
+            return FACTORISATION_FLOPS
+        return NOMINAL_FLOPS[self.decomposition]
+
 
 KFAC_SCHEDULE = ("factor_update_steps", "inv_update_steps")
 METHODS = (
     Method("kfac-eigen", "kfac", {"inverse_method": "eigen"}, KFAC_SCHEDULE, "kfac"),
     Method("kfac-inverse", "kfac", {"inverse_method": "inverse"}, KFAC_SCHEDULE, "kfac"),
+    Method("kfac-solve", "kfac", {"inverse_method": "cholesky_solve"}, KFAC_SCHEDULE, "kfac"),
     Method("dp-kfac", "kfac", {"inverse_method": "inverse", "strategy": "dp-kfac",
                                "factor_scaling": "dpkfac", "damping_split": "pi"},
            KFAC_SCHEDULE, "kfac"),
@@ -596,8 +607,11 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
 
     FLOP counts at the measured rate of the same kernel kind, at the nearest measured size:
     factors are symmetric rank-k updates (``rows·d²`` FLOPs per factor, GEMM rate);
-    decompositions run at the eigh or Cholesky-inverse rate; preconditioning is GEMMs
-    (``2·g·a·(g + a)`` FLOPs, twice that for the eigenbasis rotations). Memory-bound work (the
+    decompositions run at the eigh or Cholesky-inverse FLOP rate (the kind's
+    :data:`NOMINAL_FLOPS` per measured ``n³``; ``cholesky_solve`` does the factorisation's
+    ``n³/3`` of them); preconditioning is GEMMs (``2·g·a·(g + a)`` FLOPs, twice that for the
+    eigenbasis rotations) or, for ``cholesky_solve``, four triangular solves of the same FLOPs
+    at the GEMM rate. Memory-bound work (the
     rank-1 statistics and updates, Eva's closed form, the scale and write-back) counts the
     passes over its data at the copy bandwidth. Capture (building factor rows) has no bound of
     its own: a lower bound need not materialise rows, so it counts as overhead of ``factors``.
@@ -621,8 +635,9 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
             update["factors"] += at_least_read(
                 sum(rows * d * d / rates.at("gemm", d) for d in (a, g)), layer.captured)
             kind = method.decomposition
-            update["inversion"] += at_least_read(
-                sum(d**3 / rates.at(kind, d) for d in (a, g)), squares)
+            update["inversion"] += at_least_read(sum(
+                method.decomposition_flops * d**3 / (NOMINAL_FLOPS[kind] * rates.at(kind, d))
+                for d in (a, g)), squares)
             rotations = 2 if kind == "eigh" else 1
             step_work = {"precondition": rotations * gemm, "scale": scale}
         else:
@@ -682,7 +697,7 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
     state = run.state_bytes / MB
     factor_flops = sum(x.rows * (x.a_dim**2 + x.g_dim**2) for x in run.layers)
     factor_s = run.stage_median("update", "factors")
-    decomposition_flops = NOMINAL_FLOPS[method.decomposition] * sum(
+    decomposition_flops = method.decomposition_flops * sum(
         x.a_dim**3 + x.g_dim**3 for x in run.layers)
     inversion_s = run.stage_median("update", "inversion")
     dense = method.kind == "kfac"
@@ -820,6 +835,7 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
                 "n/a (state below the probe's noise)" if noisy else None)
     fastest = min(peers.resnet_inverse.values())
     for workload, method, peer in (("resnet18-32", "kfac-inverse", fastest),
+                                   ("resnet18-32", "kfac-solve", fastest),
                                    ("resnet18-32", "dp-kfac", fastest),
                                    ("bert-small", "dp-kfac", peers.bert_dpkfac),
                                    ("bert-small", "mkor", peers.bert_mkor)):

@@ -101,8 +101,8 @@ def measure(n: int, interval: int, trials: int, clock: Clock, seed: int = 0) -> 
             current = factor.step()
         damping = 1e-3 * float(torch.trace(current)) / n
         vectors = torch.randn(n, 16, generator=generator)
-        times["eigh"].append(clock.time(lambda: refresh_full(current)))
-        times["warm"].append(clock.time(lambda: refresh_warm(current, basis)))
+        times["eigh"].append(clock.time(lambda f=current: refresh_full(f)))
+        times["warm"].append(clock.time(lambda f=current, q=basis: refresh_warm(f, q)))
         exact, warm = refresh_full(current), refresh_warm(current, basis)
         errors["exact"].append(damped_solve_error(*exact, current, damping, vectors))
         errors["warm"].append(damped_solve_error(*warm, current, damping, vectors))

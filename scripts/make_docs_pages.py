@@ -222,9 +222,29 @@ def run_seed(run: Mapping[str, Any]) -> Any:
 
 
 def run_label(run: Mapping[str, Any]) -> str:
-    """``<optimizer>`` plus the seed when the configuration has one, for legends and columns."""
+    """``<optimizer>``, its batch size in a study over batch sizes (a configuration whose name
+    is a ``*_large_batch*`` study), plus the seed when the configuration has one, for legends
+    and columns."""
     seed = run_seed(run)
-    return run["optimizer"] if seed == "—" else f"{run['optimizer']} (seed {seed})"
+    label = run["optimizer"]
+    if "large_batch" in str(run.get("experiment", "")) and "batch_size" in run["config"]:
+        label += f" B={run['config']['batch_size']:,}"
+    return label if seed == "—" else f"{label} (seed {seed})"
+
+
+def line_styles(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Matplotlib styles, one per run: when the runs span several batch sizes, the colour
+    follows the batch size (a sequential colour map) and the line style the optimizer, so a
+    study's 14 curves stay readable; otherwise the default colour cycle."""
+    batches = sorted({r["config"].get("batch_size") for r in runs} - {None})
+    if len(batches) < 2:
+        return [{} for _ in runs]
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in runs))
+    colours = plt.get_cmap("viridis")
+    dashes = ("-", "--", ":", "-.")
+    return [{"color": colours(batches.index(r["config"]["batch_size"]) / (len(batches) - 1)),
+             "linestyle": dashes[optimizers.index(r["optimizer"]) % len(dashes)]}
+            if r["config"].get("batch_size") is not None else {} for r in runs]
 
 
 def fmt(value: Any, unit: str = "") -> str:
@@ -258,13 +278,13 @@ def _numeric(mapping: Mapping[str, Any]) -> dict[str, float]:
 def plot_curves(runs: Sequence[Mapping[str, Any]], path: Path) -> str:
     """Training loss against step and against cumulative training seconds, one line per run."""
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for run in runs:
+    for run, style in zip(runs, line_styles(runs), strict=True):
         steps = [s for s in run["steps"] if s["loss"] is not None]
         seconds = list(accumulate(s["time_s"] for s in run["steps"]))
         elapsed = [t for s, t in zip(run["steps"], seconds, strict=True) if s["loss"] is not None]
         losses = [s["loss"] for s in steps]
-        by_step.plot([s["step"] for s in steps], losses, label=run_label(run))
-        by_time.plot(elapsed, losses, label=run_label(run))
+        by_step.plot([s["step"] for s in steps], losses, label=run_label(run), **style)
+        by_time.plot(elapsed, losses, label=run_label(run), **style)
     by_step.set(xlabel="step", ylabel="training loss", title="loss per step")
     by_time.set(xlabel="training seconds (sum of step times)", ylabel="training loss",
                 title="loss against time")
@@ -279,15 +299,18 @@ def eval_metrics(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def plot_evals(runs: Sequence[Mapping[str, Any]], metrics: Sequence[str], path: Path) -> str:
-    """One panel per evaluation metric (accuracy, F1, evaluation loss, ...) against step."""
+    """One panel per evaluation metric (accuracy, F1, evaluation loss, ...) against the epoch
+    when every evaluation records one (runs of different batch sizes then line up), else
+    against the step."""
+    axis = "epoch" if all("epoch" in e for run in runs for e in run["evals"]) else "step"
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
-        for run in runs:
-            points = [(e["step"], e[metric]) for e in run["evals"] if e.get(metric) is not None]
+        for run, style in zip(runs, line_styles(runs), strict=True):
+            points = [(e[axis], e[metric]) for e in run["evals"] if e.get(metric) is not None]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", markersize=3,
-                        label=run_label(run))
-        ax.set(xlabel="step", ylabel=metric, title=metric)
+                        label=run_label(run), **style)
+        ax.set(xlabel=axis, ylabel=metric, title=metric)
     axes[0][0].legend(fontsize=8)
     return _save(fig, path)
 

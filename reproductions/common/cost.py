@@ -11,10 +11,12 @@ Conventions (FLOPs = floating-point operations; a multiply-add is :data:`FLOPS_P
   :data:`DECOMPOSITION_FLOPS_PER_N3`: ``eigen`` 9 (symmetric QR algorithm with eigenvectors,
   Golub & Van Loan, *Matrix Computations*, 4th ed., §8.3: ≈ 9n³), ``cholesky`` 1 (Cholesky
   n³/3 plus the inverse from the factor 2n³/3, i.e. ``cholesky`` + ``cholesky_inverse``),
-  ``inverse`` 2 (LU 2n³/3 plus the inverse from LU 4n³/3, ``torch.linalg.inv``).
+  ``inverse`` 2 (LU 2n³/3 plus the inverse from LU 4n³/3, ``torch.linalg.inv``),
+  ``cholesky_solve`` 1/3 (the Cholesky factorisation alone).
 * **Preconditioning** a ``g × a`` gradient: ``eigen`` four GEMMs
   (``Q_Gᵀ·∇W̄·Q_A`` and back), ``inverse``/``cholesky`` two (``G⁻¹·∇W̄·A⁻¹``), each pair
-  ``2·(g·g·a + g·a·a)`` FLOPs.
+  ``2·(g·g·a + g·a·a)`` FLOPs; ``cholesky_solve`` four triangular solves (two per factor),
+  the FLOPs of one pair, timed as that pair (the solves run at about the GEMM rate).
 
 Which worker does what comes from the simulated strategy itself
 (:class:`core.distributed.simulate.RankReport`: the layers a rank captures, the factors it
@@ -39,8 +41,9 @@ from core.distributed import SimulationReport
 from reproductions.common.shapes import LayerShape
 
 FLOPS_PER_MAC = 2
-DECOMPOSITION_FLOPS_PER_N3 = {"eigen": 9.0, "cholesky": 1.0, "inverse": 2.0}
-PRECONDITION_GEMM_PAIRS = {"eigen": 2, "cholesky": 1, "inverse": 1}
+DECOMPOSITION_FLOPS_PER_N3 = {"eigen": 9.0, "cholesky": 1.0, "inverse": 2.0,
+                              "cholesky_solve": 1.0 / 3.0}
+PRECONDITION_GEMM_PAIRS = {"eigen": 2, "cholesky": 1, "inverse": 1, "cholesky_solve": 1}
 
 
 class KernelCost(Protocol):
@@ -61,7 +64,7 @@ class FlopCost:
     """FLOPs of each kernel under the module's conventions.
 
     Attributes:
-        method: ``"eigen"``, ``"cholesky"`` or ``"inverse"``.
+        method: ``"eigen"``, ``"cholesky"``, ``"inverse"`` or ``"cholesky_solve"``.
     """
 
     method: str = "eigen"

@@ -103,6 +103,8 @@ def _decompose(method: str) -> Callable[[Tensor], object]:
         return torch.linalg.eigh
     if method == "cholesky":
         return lambda m: torch.cholesky_inverse(torch.linalg.cholesky(m))
+    if method == "cholesky_solve":
+        return torch.linalg.cholesky
     return torch.linalg.inv
 
 
@@ -112,7 +114,8 @@ class KernelTimes:
     KernelCost` in seconds).
 
     Args:
-        method: Inversion method timed (``"eigen"``, ``"cholesky"``, ``"inverse"``).
+        method: Inversion method timed (``"eigen"``, ``"cholesky"``, ``"inverse"``,
+            ``"cholesky_solve"``).
         budget: How much to measure.
         device: Where to measure.
     """

@@ -58,7 +58,7 @@ AUTHORS_TABLE = {4096: (10_948, 75.9), 8192: (5_478, 76.4), 16384: (2_737, 76.6)
 ABSTRACT_ITERATIONS = (131072, 100, 978)
 GPU_COUNTS = (128, 256, 512, 1024, 2048, 4096)
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_RESULTS = RESULTS / "fmnist_large_batch_quick"
+DEFAULT_RESULTS = RESULTS / "fmnist_large_batch"
 MB = 1e6
 #: K-FAC options of the recipe, shared by every strategy in O4 (upper triangles on the wire).
 RECIPE_OPTIONS: dict[str, Any] = {"factor_scaling": "kfc", "inverse_method": "cholesky",

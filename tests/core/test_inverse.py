@@ -10,7 +10,9 @@ from torch import nn
 
 from core import KFACPreconditioner
 from core.inverse import (
+    CholeskyState,
     DecompositionError,
+    damped_cholesky,
     damped_inverse,
     eigen_decompose,
     kl_clip_scale,
@@ -51,7 +53,7 @@ def test_eigen_equals_inverse_of_kronecker_plus_damping() -> None:
         torch.testing.assert_close(new[layer.name], expected)
 
 
-@pytest.mark.parametrize("method", ["inverse", "cholesky"])
+@pytest.mark.parametrize("method", ["inverse", "cholesky", "cholesky_solve"])
 @pytest.mark.parametrize("split", ["full", "pi"])
 def test_inverse_methods_match_dense_formula(method: str, split: str) -> None:
     torch.manual_seed(1)
@@ -154,11 +156,12 @@ def test_factor_inverses_are_exactly_symmetric() -> None:
         torch.testing.assert_close(inv.double(), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_failed_decomposition_keeps_last_good_inverse() -> None:
+@pytest.mark.parametrize("method", ["cholesky", "cholesky_solve"])
+def test_failed_decomposition_keeps_last_good_inverse(method: str) -> None:
     torch.manual_seed(4)
     model = nn.Linear(3, 2).double()
     # factors only at step 0, inverses every step: step 1 re-inverts the (broken) factor
-    precond = KFACPreconditioner(model, inverse_method="cholesky", kl_clip=None,
+    precond = KFACPreconditioner(model, inverse_method=method, kl_clip=None,
                                  factor_dtype="float64",
                                  factor_update_steps=lambda step: 1 if step == 0 else 1000)
     x = torch.randn(6, 3, dtype=torch.float64)
@@ -175,3 +178,62 @@ def test_failed_decomposition_keeps_last_good_inverse() -> None:
     for kept, before in zip(layer.state.tensors(), good, strict=True):
         torch.testing.assert_close(kept, before)
     assert precond.metrics()["decomposition_failures"] == 1
+
+
+def test_cholesky_solve_matches_cholesky_in_fp32_over_steps() -> None:
+    """Triangular solves with the factors give the formed inverses' result to fp32 accuracy,
+    through the preconditioner, with stale states (inverses every 2 steps) and the KL clip."""
+    torch.manual_seed(6)
+    batches = [torch.randn(16, 2, 6, 6) for _ in range(4)]
+    grads = {}
+    for method in ("cholesky", "cholesky_solve"):
+        torch.manual_seed(7)
+        model = small_cnn().float()
+        precond = KFACPreconditioner(model, inverse_method=method, damping_split="pi",
+                                     damping=1e-2, inv_update_steps=2, kl_clip=1e-2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads[method] = []
+        for x in batches:
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            precond.step()
+            grads[method].append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+        assert isinstance(precond.layers[0].state, CholeskyState) == (method == "cholesky_solve")
+    for solved, formed in zip(grads["cholesky_solve"], grads["cholesky"], strict=True):
+        for got, expected in zip(solved, formed, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+
+
+def test_damped_cholesky_is_the_lower_factor_and_not_symmetric_state() -> None:
+    torch.manual_seed(8)
+    x = torch.randn(30, 12, dtype=torch.float64)
+    factor = x.T @ x / 30
+    chol = damped_cholesky(factor, 0.1, torch.float64)
+    assert chol.is_contiguous() and torch.equal(chol, chol.tril())
+    eye = torch.eye(12, dtype=torch.float64)
+    torch.testing.assert_close(chol, torch.linalg.cholesky(factor + 0.1 * eye))
+    assert not CholeskyState.symmetric  # must never travel as a symmetric upper triangle
+
+
+def test_cholesky_solve_of_fp32_defeating_factor_retries_in_fp64() -> None:
+    """A rank-one factor of 1e4 entries defeats an fp32 Cholesky; the fp64 factor is kept."""
+    factor = torch.full((5, 5), 1e4)
+    damped = factor + 1e-4 * torch.eye(5)
+    assert int(torch.linalg.cholesky_ex(damped)[1]) != 0, "must defeat an fp32 Cholesky"
+    chol = damped_cholesky(factor, 1e-4, torch.float32)
+    expected = torch.linalg.cholesky(factor.double() + 1e-4 * torch.eye(5, dtype=torch.float64))
+    assert chol.dtype == torch.float32
+    torch.testing.assert_close(chol, expected.float())
+
+
+def test_cholesky_solve_failures_raise_decomposition_error() -> None:
+    """No LU fallback: indefinite in fp64 too is a failure; so are non-finite factors and a
+    damped inverse beyond fp32 (``A = 0`` with a damping of 1e-40: ``1/L_ii² = 1e40``)."""
+    with pytest.raises(DecompositionError, match="cholesky_solve failed.*float64: matrix not "
+                                                 "positive definite"):
+        damped_cholesky(torch.diag(torch.tensor([1.0, -5.0])), 0.1, torch.float32)
+    with pytest.raises(DecompositionError, match="non-finite"):
+        damped_cholesky(torch.full((2, 2), float("nan")), 0.1, torch.float32)
+    with pytest.raises(DecompositionError, match="exceeds torch.float32's range"):
+        damped_cholesky(torch.zeros(3, 3), 1e-40, torch.float32)

@@ -141,7 +141,7 @@ def train_steps(model: nn.Module, precond: KFACPreconditioner, opt: torch.optim.
         opt.step()
 
 
-@pytest.mark.parametrize("method", ["eigen", "cholesky"])
+@pytest.mark.parametrize("method", ["eigen", "cholesky", "cholesky_solve"])
 def test_state_dict_round_trip_gives_bit_identical_next_gradients(method: str) -> None:
     torch.manual_seed(5)
     batches = [(torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64))
@@ -161,6 +161,21 @@ def test_state_dict_round_trip_gives_bit_identical_next_gradients(method: str) -
         p.step()
     for a, b in zip(model.parameters(), clone.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [("cholesky_solve", "inverse"),
+                                                ("cholesky", "cholesky_solve")])
+def test_load_state_dict_rejects_a_state_of_another_inverse_method(saved: str,
+                                                                   loaded: str) -> None:
+    """Damped inverses and Cholesky factors have the same shapes but other meanings."""
+    model = mlp()
+    precond = KFACPreconditioner(model, inverse_method=saved)
+    backward(model, torch.randn(6, 4, dtype=torch.float64),
+             torch.randn(6, 3, dtype=torch.float64))
+    precond.step()
+    with pytest.raises(ValueError, match=f"inverse_method='{loaded}'"):
+        KFACPreconditioner(mlp(), inverse_method=loaded).load_state_dict(precond.state_dict())
+    KFACPreconditioner(mlp(), inverse_method=saved).load_state_dict(precond.state_dict())
 
 
 def test_load_state_dict_rejects_another_model() -> None:

@@ -82,10 +82,11 @@ def train_step(model: nn.Module, precond: KFACPreconditioner, x: torch.Tensor,
     precond.step()
 
 
-@pytest.mark.parametrize("method", ["cholesky", "inverse"])
+@pytest.mark.parametrize("method", ["cholesky", "inverse", "cholesky_solve"])
 def test_singular_factor_beyond_fp32_keeps_the_last_good_inverse(method: str) -> None:
     """All-zero input rows make ``A = 0``; with a damping too small to regularise it, the damped
-    inverse is ~1e40, beyond fp32 even when the fp64 retry computes it: the update is skipped
+    inverse is ~1e40, beyond fp32 even when the fp64 retry computes it (``cholesky_solve``: its
+    factor, 1e-20·I, fits fp32, but the inverse it stands for does not): the update is skipped
     and counted, the last good inverse is kept, and the gradients stay finite."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3, bias=False), nn.Tanh(), nn.Linear(3, 2, bias=False))

@@ -70,7 +70,10 @@ def test_simulated_per_worker_traffic_of_the_three_osawa_accountings() -> None:
 
 def test_large_batch_table_reads_the_committed_study_results(tmp_path: Path) -> None:
     table = tables.large_batch_table(tables.DEFAULT_RESULTS)
-    assert table.kind == "small" and table.column("mini-batch") == [256, 2048]
+    assert table.kind == "small"
+    assert table.column("mini-batch") == [256, 512, 1024, 2048, 4096, 8192, 16384]
+    kfac, sgd = (table.column(f"ours: {o} iterations to target") for o in ("K-FAC", "SGD"))
+    assert kfac[4:6] == [37, 26] and sgd[4:6] == ["not reached"] * 2  # the committed study
     final = table.column("ours: K-FAC final (%)") + table.column("ours: SGD final (%)")
     assert all(isinstance(v, float) and 50 < v <= 100 for v in final)
     assert table.notes and "Not the paper's experiment" in table.notes
