@@ -14,7 +14,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from core.factors import RunningFactor, SymmetricGram, add_a_rows, add_g_rows
+from core.factors import SymmetricGram, add_a_rows, add_g_rows
 from core.inverse import (
     SIDES,
     DecompositionError,
@@ -23,6 +23,7 @@ from core.inverse import (
     make_state,
     precondition,
 )
+from core.layer_base import PreconditionedLayer, nbytes
 from core.layers import LayerHelper, Rows
 from core.timing import StageTimer
 
@@ -32,7 +33,7 @@ def _untimed(stage: str) -> Iterator[None]:
     yield
 
 
-class KFACLayer:
+class KFACLayer(PreconditionedLayer):
     """Factors and second-order state of one module.
 
     Args:
@@ -53,13 +54,9 @@ class KFACLayer:
         factor_dtype: torch.dtype,
         grad_multiplier: Callable[[], float],
     ) -> None:
-        self.name = name
-        self.helper = helper
+        super().__init__(name, helper, grad_multiplier=grad_multiplier)
         self.scaling = scaling
         self.factor_dtype = factor_dtype
-        self.grad_multiplier = grad_multiplier
-        self.a = RunningFactor()
-        self.g = RunningFactor()
         self.captured_inputs: list[Tensor] = []
         self.captured_grads: list[tuple[Tensor, float]] = []
         self.batch_a: Tensor | None = None
@@ -68,19 +65,6 @@ class KFACLayer:
         self.valid_sides: set[str] = set()
         self.decomposition_failures = 0
         self.nonfinite_factor_skips = 0
-
-    @property
-    def a_dim(self) -> int:
-        return self.helper.a_dim
-
-    @property
-    def g_dim(self) -> int:
-        return self.helper.g_dim
-
-    @property
-    def device(self) -> torch.device:
-        """Where the layer's weight, and so its second-order state, lives."""
-        return self.helper.weight.device
 
     # Capture: the hooks keep the tensors; factors are built from them at the step -----------
     def capture_input(self, x: Tensor) -> None:
@@ -149,6 +133,10 @@ class KFACLayer:
         self.a.discard_pending()
         self.g.discard_pending()
         self.batch_a = self.batch_g = None
+
+    def discard_pending(self) -> None:
+        """:meth:`discard_batch_factors` (the step prologue's name for it)."""
+        self.discard_batch_factors()
 
     def update_running_factors(self, decay: float) -> None:
         """Blend the staged batch factors into the running averages; skip non-finite ones."""
@@ -224,9 +212,6 @@ class KFACLayer:
     def memory_usage(self) -> dict[str, int]:
         """Bytes held: running factors, second-order state, and pending capture buffers (with
         the kept layer inputs and output gradients)."""
-
-        def nbytes(*tensors: Tensor | None) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
         return {
             "factors": nbytes(self.a.value, self.g.value),

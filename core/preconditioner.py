@@ -24,8 +24,9 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import STATE_TYPES, all_finite, kl_clip_factor
+from core.inverse import STATE_TYPES, kl_clip_factor
 from core.kfac_layer import KFACLayer
+from core.layer_base import finite_gradients
 from core.layers import helper_for
 from core.strategy import Strategy
 from core.timing import STAGES, StageTimer
@@ -186,12 +187,9 @@ class KFACPreconditioner:
         """Precondition the gradients of this step (call after ``backward``, before the optimizer).
         """
         step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
-        grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
-        if not all_finite([g for g in grads.values() if g is not None]):
-            # An AMP overflow (or a diverged step): keep the factors clean and the grads raw.
+        grads = finite_gradients(self.layers)
+        if grads is None:  # an AMP overflow (or a diverged step): factors clean, grads raw
             self.skipped_overflow_steps += 1
-            for layer in self.layers:
-                layer.discard_batch_factors()
             self._end_step()
             return
 

@@ -34,9 +34,8 @@ from core.config import (
     update_due,
 )
 from core.distributed.communicator import Communicator
-from core.factors import RunningFactor
 from core.hyper import value_at
-from core.inverse import all_finite
+from core.layer_base import PreconditionedLayer, finite_gradients, nbytes
 from core.layers import LayerHelper, helper_for
 from core.preconditioner import discover_layers
 from core.timing import StageTimer
@@ -114,7 +113,7 @@ class Rank1Config:
             check_choice("comm_dtype", self.comm_dtype, WIRE_DTYPES)
 
 
-class Rank1Layer:
+class Rank1Layer(PreconditionedLayer):
     """Captured statistics of one module; subclasses add the method's per-layer state.
 
     Micro-step vectors (gradient accumulation, or a module called several times per forward)
@@ -135,24 +134,8 @@ class Rank1Layer:
 
     def __init__(self, name: str, helper: LayerHelper, *, dtype: torch.dtype,
                  grad_multiplier: Callable[[], float]) -> None:
-        self.name = name
-        self.helper = helper
+        super().__init__(name, helper, grad_multiplier=grad_multiplier)
         self.dtype = dtype
-        self.grad_multiplier = grad_multiplier
-        self.a = RunningFactor()
-        self.g = RunningFactor()
-
-    @property
-    def a_dim(self) -> int:
-        return self.helper.a_dim
-
-    @property
-    def g_dim(self) -> int:
-        return self.helper.g_dim
-
-    @property
-    def device(self) -> torch.device:
-        return self.helper.weight.device
 
     def capture_input(self, x: Tensor) -> None:
         """Accumulate ``ā`` of one forward call."""
@@ -190,11 +173,6 @@ class Rank1Layer:
 
     def memory_usage(self) -> dict[str, int]:
         raise NotImplementedError
-
-
-def nbytes(*tensors: Tensor | None) -> int:
-    """Bytes held by the given tensors (None entries count zero)."""
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class Rank1Preconditioner:
@@ -287,11 +265,9 @@ class Rank1Preconditioner:
         and its captured statistics are dropped.
         """
         self.communicator.ledger.step = self.steps
-        grads = {layer.name: layer.helper.grad_matrix() for layer in self.layers}
-        if not all_finite([g for g in grads.values() if g is not None]):
+        grads = finite_gradients(self.layers)
+        if grads is None:  # an AMP overflow: statistics dropped, gradients left raw
             self.skipped_overflow_steps += 1
-            for layer in self.layers:
-                layer.discard_pending()
             self._end_step()
             return
         if self._capturing and self.layers:

@@ -1,0 +1,74 @@
+"""What every preconditioned layer shares (K-FAC's :class:`~core.kfac_layer.KFACLayer`, the rank-1
+methods' :class:`~core.rank1.Rank1Layer`), and the gradient prologue of every preconditioner step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from core.factors import RunningFactor
+from core.inverse import all_finite
+from core.layers import LayerHelper
+
+
+def nbytes(*tensors: Tensor | None) -> int:
+    """Bytes held by the given tensors (None entries count zero)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class PreconditionedLayer:
+    """One module's name, helper and running ``A``-side and ``G``-side statistics.
+
+    Args:
+        name: The module's qualified name in the model.
+        helper: The layer-type helper that reads rows and gradients.
+        grad_multiplier: Returns the factor by which captured output gradients are multiplied
+            (accumulation steps over the AMP loss scale), read at capture time.
+
+    Attributes:
+        a: Running input-side statistic (a factor ``A`` or a vector ``ā``).
+        g: Running output-gradient-side statistic (``G`` or ``ḡ``).
+    """
+
+    def __init__(self, name: str, helper: LayerHelper, *,
+                 grad_multiplier: Callable[[], float]) -> None:
+        self.name = name
+        self.helper = helper
+        self.grad_multiplier = grad_multiplier
+        self.a = RunningFactor()
+        self.g = RunningFactor()
+
+    @property
+    def a_dim(self) -> int:
+        return self.helper.a_dim
+
+    @property
+    def g_dim(self) -> int:
+        return self.helper.g_dim
+
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weight, and so its second-order state, lives."""
+        return self.helper.weight.device
+
+    def discard_pending(self) -> None:
+        """Forget everything captured for this step (an AMP overflow step)."""
+        raise NotImplementedError
+
+
+def finite_gradients(layers: Sequence[PreconditionedLayer]) -> dict[str, Tensor | None] | None:
+    """The step's gradient matrices ``∇W̄`` by layer name (None where a layer has no gradient).
+
+    None instead when any entry is not finite (an AMP overflow, or a diverged step); every
+    layer's captures of the step are then discarded, so the statistics stay clean and the
+    caller leaves the gradients raw.
+    """
+    grads = {layer.name: layer.helper.grad_matrix() for layer in layers}
+    if all_finite([g for g in grads.values() if g is not None]):
+        return grads
+    for layer in layers:
+        layer.discard_pending()
+    return None
