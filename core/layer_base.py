@@ -5,6 +5,7 @@ methods' :class:`~core.rank1.Rank1Layer`), and the gradient prologue of every pr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -72,3 +73,17 @@ def finite_gradients(layers: Sequence[PreconditionedLayer]) -> dict[str, Tensor 
     for layer in layers:
         layer.discard_pending()
     return None
+
+
+def check_saved_layers(layers: Sequence[PreconditionedLayer], saved: dict[str, Any]) -> None:
+    """Refuse a saved per-layer state that does not name exactly these layers.
+
+    Raises:
+        ValueError: naming the layers missing from ``saved`` and the unexpected ones.
+    """
+    names = {layer.name for layer in layers}
+    if set(saved) != names:
+        missing = sorted(names - set(saved))
+        extra = sorted(set(saved) - names)
+        raise ValueError(f"preconditioner state does not match the model's layers "
+                         f"(missing {missing}, unexpected {extra})")

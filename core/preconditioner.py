@@ -26,7 +26,7 @@ from core.config import (
 from core.hyper import value_at
 from core.inverse import STATE_TYPES, kl_clip_factor
 from core.kfac_layer import KFACLayer
-from core.layer_base import finite_gradients
+from core.layer_base import check_saved_layers, finite_gradients
 from core.layers import helper_for
 from core.strategy import Strategy
 from core.timing import STAGES, StageTimer
@@ -298,12 +298,7 @@ class KFACPreconditioner:
             raise ValueError(f"preconditioner state was saved with {state['signature']}, "
                              f"this run has {signature}; resume with the same strategy and "
                              "world size")
-        names = {layer.name for layer in self.layers}
-        if set(state["layers"]) != names:
-            missing = sorted(names - set(state["layers"]))
-            extra = sorted(set(state["layers"]) - names)
-            raise ValueError(f"preconditioner state does not match the model's layers "
-                             f"(missing {missing}, unexpected {extra})")
+        check_saved_layers(self.layers, state["layers"])
         # Same-shaped states of another method (inverses vs Cholesky factors) would be
         # silently misread, so the saved kind must be this method's.
         kind = STATE_TYPES[self.config.inverse_method].kind

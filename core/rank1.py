@@ -35,7 +35,7 @@ from core.config import (
 )
 from core.distributed.communicator import Communicator
 from core.hyper import value_at
-from core.layer_base import PreconditionedLayer, finite_gradients, nbytes
+from core.layer_base import PreconditionedLayer, check_saved_layers, finite_gradients, nbytes
 from core.layers import LayerHelper, helper_for
 from core.preconditioner import discover_layers
 from core.timing import StageTimer
@@ -364,12 +364,7 @@ class Rank1Preconditioner:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output; the model's preconditioned layers must match."""
-        names = {layer.name for layer in self.layers}
-        if set(state["layers"]) != names:
-            missing = sorted(names - set(state["layers"]))
-            extra = sorted(set(state["layers"]) - names)
-            raise ValueError(f"preconditioner state does not match the model's layers "
-                             f"(missing {missing}, unexpected {extra})")
+        check_saved_layers(self.layers, state["layers"])
         for layer in self.layers:
             layer.load_state_dict(state["layers"][layer.name])
         self.steps = int(state["steps"])

@@ -343,6 +343,9 @@ def test_state_dict_round_trip_gives_the_same_next_step() -> None:
     resumed = MKORPreconditioner(second, config=MKORConfig(inv_update_steps=2))
     resumed.load_state_dict(saved)
     torch.testing.assert_close(run(second, resumed, data[3:]), run(first, mkor, data[3:]))
+    saved["layers"]["9"] = saved["layers"].pop("3")  # a state of another model
+    with pytest.raises(ValueError, match=r"missing \['3'\], unexpected \['9'\]"):
+        resumed.load_state_dict(saved)
 
 
 # Averaging across ranks (2 gloo processes) -----------------------------------------------
