@@ -75,12 +75,14 @@ COLUMNS = ("capture", "factors", "inversion", "precondition", "comm", "scale")
 COMM_STAGES = ("factor_comm", "inverse_comm", "grad_comm")
 #: Second-order work compared with its lower bound (communication is reported, not bounded).
 WORK = ("capture", "factors", "inversion", "precondition", "scale")
-#: Nominal FLOPs per n³ of the decompositions, used only to express their throughput as a
-#: fraction of the matmul's: LAPACK's Cholesky factorisation (n³/3) plus inverse (2n³/3), and
+#: Nominal FLOPs per n³ of each measured kernel kind other than the GEMM: LAPACK's Cholesky
+#: factorisation plus inverse (n³/3 + 2n³/3), the factorisation alone (``potrf``, n³/3; what
+#: ``cholesky_solve`` keeps), a triangular solve against n right-hand sides (``trsm``, n³), and
 #: eigh with vectors (tridiagonalisation 4n³/3, divide and conquer and back-transformation).
-NOMINAL_FLOPS = {"cholesky": 1.0, "eigh": 4.0}
-#: Nominal FLOPs per n³ of the Cholesky factorisation alone (K-FAC's ``cholesky_solve``).
-FACTORISATION_FLOPS = 1.0 / 3.0
+NOMINAL_FLOPS = {"cholesky": 1.0, "potrf": 1.0 / 3.0, "trsm": 1.0, "eigh": 4.0}
+#: Row labels of the rates table.
+KERNEL_LABELS = {"cholesky": "Cholesky + inverse", "potrf": "Cholesky factorisation",
+                 "trsm": "triangular solve", "eigh": "eigh"}
 
 Batch = dict[str, Tensor]
 
@@ -180,12 +182,16 @@ class Rates:
         gemm: FLOP/s of an ``n³`` fp32 matmul, by ``n``.
         eigh: ``n³``/s of ``torch.linalg.eigh`` of an SPD matrix, by ``n``.
         cholesky: ``n³``/s of a Cholesky factorisation plus inverse, by ``n``.
+        potrf: ``n³``/s of a Cholesky factorisation alone, by ``n``.
+        trsm: ``n³``/s of a triangular solve of ``n`` right-hand sides, by ``n``.
         bandwidth: bytes/s of a large copy (read plus write).
     """
 
     gemm: dict[int, float]
     eigh: dict[int, float]
     cholesky: dict[int, float]
+    potrf: dict[int, float]
+    trsm: dict[int, float]
     bandwidth: float
 
     def at(self, kind: str, n: int) -> float:
@@ -193,6 +199,10 @@ class Rates:
         table: dict[int, float] = getattr(self, kind)
         size = min(table, key=lambda s: abs(math.log(max(n, 1) / s)))
         return table[size]
+
+    def seconds(self, kind: str, n: int, flops: float) -> float:
+        """Seconds of ``flops`` FLOPs of kernel ``kind`` (not the GEMM) at size ``n``."""
+        return flops / (NOMINAL_FLOPS[kind] * self.at(kind, n))
 
     @property
     def peak_gemm(self) -> float:
@@ -206,9 +216,10 @@ def _spd(n: int, device: torch.device) -> Tensor:
 
 def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
                   copy_elements: int) -> Rates:
-    """GEMM, eigh and Cholesky-inverse throughput at ``sizes``, and copy bandwidth: the best of
-    five calls up to 1024, of three up to 2048, one above (an eigh there takes seconds)."""
-    gemm, eigh, cholesky = {}, {}, {}
+    """GEMM, eigh, Cholesky (with and without the inverse) and triangular-solve throughput at
+    ``sizes``, and copy bandwidth: the best of five calls up to 1024, of three up to 2048, one
+    above (an eigh there takes seconds)."""
+    gemm, eigh, cholesky, potrf, trsm = {}, {}, {}, {}, {}
     for n in sizes:
         repeats_n = 5 if n <= 1024 else 3 if n <= 2048 else 1
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
@@ -217,10 +228,16 @@ def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
         eigh[n] = n**3 / clock.best(lambda s=spd: torch.linalg.eigh(s), repeats_n)
         cholesky[n] = n**3 / clock.best(
             lambda s=spd: torch.cholesky_inverse(torch.linalg.cholesky(s)), repeats_n)
+        potrf[n] = n**3 / clock.best(lambda s=spd: torch.linalg.cholesky(s), repeats_n)
+        lower = torch.linalg.cholesky(spd)
+        trsm[n] = n**3 / clock.best(
+            lambda low=lower, rhs=b: torch.linalg.solve_triangular(low, rhs, upper=False),
+            repeats_n)
     src = torch.randn(copy_elements, device=device)
     dst = torch.empty_like(src)
     seconds = clock.best(lambda: dst.copy_(src), 5)
-    return Rates(gemm, eigh, cholesky, bandwidth=2 * src.numel() * src.element_size() / seconds)
+    return Rates(gemm, eigh, cholesky, potrf, trsm,
+                 bandwidth=2 * src.numel() * src.element_size() / seconds)
 
 
 # Workloads -----------------------------------------------------------------------------------
@@ -377,16 +394,10 @@ class Method:
 
     @property
     def decomposition(self) -> str:
-        """Kernel kind of the inversion stage (``eigh`` or ``cholesky``; rank-1 methods: none)."""
-        return "eigh" if self.options.get("inverse_method") == "eigen" else "cholesky"
-
-    @property
-    def decomposition_flops(self) -> float:
-        """Nominal FLOPs per ``n³`` of the inversion stage: its kernel kind's
-        :data:`NOMINAL_FLOPS`, except ``cholesky_solve``, which stops after the factorisation."""
-        if self.options.get("inverse_method") == "cholesky_solve":
-            return FACTORISATION_FLOPS
-        return NOMINAL_FLOPS[self.decomposition]
+        """Kernel kind of the inversion stage: ``eigh``, ``cholesky`` (factorisation and
+        inverse) or ``potrf`` (``cholesky_solve`` keeps the factorisation); rank-1: unused."""
+        return {"eigen": "eigh", "cholesky_solve": "potrf"}.get(
+            self.options.get("inverse_method", ""), "cholesky")
 
 
 KFAC_SCHEDULE = ("factor_update_steps", "inv_update_steps")
@@ -607,11 +618,11 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
 
     FLOP counts at the measured rate of the same kernel kind, at the nearest measured size:
     factors are symmetric rank-k updates (``rows·d²`` FLOPs per factor, GEMM rate);
-    decompositions run at the eigh or Cholesky-inverse FLOP rate (the kind's
-    :data:`NOMINAL_FLOPS` per measured ``n³``; ``cholesky_solve`` does the factorisation's
-    ``n³/3`` of them); preconditioning is GEMMs (``2·g·a·(g + a)`` FLOPs, twice that for the
-    eigenbasis rotations) or, for ``cholesky_solve``, four triangular solves of the same FLOPs
-    at the GEMM rate. Memory-bound work (the
+    decompositions are ``n³`` at the measured rate of their kind (eigh, Cholesky factorisation
+    and inverse, or the factorisation alone for ``cholesky_solve``); preconditioning is GEMMs
+    (``2·g·a·(g + a)`` FLOPs, twice that for the eigenbasis rotations) or, for
+    ``cholesky_solve``, four triangular solves of the same FLOPs at the measured triangular-solve
+    rate (two against each factor). Memory-bound work (the
     rank-1 statistics and updates, Eva's closed form, the scale and write-back) counts the
     passes over its data at the copy bandwidth. Capture (building factor rows) has no bound of
     its own: a lower bound need not materialise rows, so it counts as overhead of ``factors``.
@@ -635,11 +646,15 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
             update["factors"] += at_least_read(
                 sum(rows * d * d / rates.at("gemm", d) for d in (a, g)), layer.captured)
             kind = method.decomposition
-            update["inversion"] += at_least_read(sum(
-                method.decomposition_flops * d**3 / (NOMINAL_FLOPS[kind] * rates.at(kind, d))
-                for d in (a, g)), squares)
-            rotations = 2 if kind == "eigh" else 1
-            step_work = {"precondition": rotations * gemm, "scale": scale}
+            update["inversion"] += at_least_read(
+                sum(d**3 / rates.at(kind, d) for d in (a, g)), squares)
+            if kind == "potrf":
+                solves = rates.seconds("trsm", a, 2 * g * a * a) + rates.seconds(
+                    "trsm", g, 2 * a * g * g)
+                precondition = at_least_read(solves, g * a + squares)
+            else:
+                precondition = (2 if kind == "eigh" else 1) * gemm
+            step_work = {"precondition": precondition, "scale": scale}
         else:
             update["factors"] += at_least_read(  # row means
                 rows * (a + g) * word / rates.bandwidth, layer.captured)
@@ -697,7 +712,7 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
     state = run.state_bytes / MB
     factor_flops = sum(x.rows * (x.a_dim**2 + x.g_dim**2) for x in run.layers)
     factor_s = run.stage_median("update", "factors")
-    decomposition_flops = method.decomposition_flops * sum(
+    decomposition_flops = NOMINAL_FLOPS.get(method.decomposition, 0.0) * sum(
         x.a_dim**3 + x.g_dim**3 for x in run.layers)
     inversion_s = run.stage_median("update", "inversion")
     dense = method.kind == "kfac"
@@ -764,10 +779,10 @@ def bound_table(rows: Sequence[Row]) -> str:
 def rates_table(rates: Rates) -> str:
     header = ["kernel", *[str(n) for n in rates.gemm]]
     lines = [["GEMM GFLOP/s", *[f"{v / 1e9:.1f}" for v in rates.gemm.values()]]]
-    for kind in ("eigh", "cholesky"):
+    for kind, label in KERNEL_LABELS.items():
         table: dict[int, float] = getattr(rates, kind)
         flops = NOMINAL_FLOPS[kind]
-        lines.append([f"{kind} GFLOP/s (nominal {flops:g}n³)",
+        lines.append([f"{label} GFLOP/s (nominal {flops:.3g}n³)",
                       *[f"{flops * v / 1e9:.1f}" for v in table.values()]])
     return (markdown_table(header, lines)
             + f"\n\nCopy bandwidth: {rates.bandwidth / 1e9:.1f} GB/s (read + write).")
