@@ -863,9 +863,12 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
             f"infeasible as stated (needs a step below {peer / PEER_SPEEDUP:.2f}x the "
             "first-order step); see the overhead row" if infeasible else None)
         if infeasible:
+            overhead = r.ratio - 1
             add(f"{workload} {method} every 10: overhead over base, peer's / ours "
-                f"({peer - 1:.2f} / {r.ratio - 1:.2f})",
-                [(peer - 1) / max(r.ratio - 1, 1e-9)], PEER_SPEEDUP, True)
+                f"({peer - 1:.2f} / {overhead:.2f})",
+                [(peer - 1) / overhead] if overhead > 0 else [], PEER_SPEEDUP, True,
+                None if overhead > 0 else
+                "n/a (our overhead is below this run's noise: measure with more --rounds)")
     r = find(rows, "bert-small", "mkor", 10)
     if r is not None:
         add("bert-small mkor every 10: step / LAMB step", [r.ratio], 1.1, False)
