@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.config import ConfigError, check_choice, check_number
-from core.eva import EvaPreconditioner
+from core.config import ConfigError, KFACConfig, check_choice, check_number, config_from_options
+from core.eva import EvaConfig, EvaPreconditioner
 from core.hybrid import HybridConfig, HybridSwitch
-from core.mkor import MKORPreconditioner
+from core.mkor import MKORConfig, MKORPreconditioner
 from core.preconditioner import KFACPreconditioner
 
 FIRST_ORDER = ("sgd", "adamw", "lamb")
@@ -146,6 +146,37 @@ class SecondOrderOptimizer:
             self.preconditioner.load_state_dict(state["preconditioner"])
 
 
+def _split_hybrid(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``mkor-h`` options as (``HybridConfig``'s, ``MKORConfig``'s)."""
+    hybrid_keys = {f.name for f in fields(HybridConfig)}
+    return ({k: v for k, v in options.items() if k in hybrid_keys},
+            {k: v for k, v in options.items() if k not in hybrid_keys})
+
+
+def check_preconditioner_options(name: str, options: dict[str, Any]) -> None:
+    """Validate :func:`build_optimizer`'s preconditioner options for ``name`` without a model,
+    so that an entry point can refuse a bad one before it loads data or a model.
+
+    Raises:
+        ConfigError: an unknown optimizer, an option the method does not have, or an invalid
+            value (naming the field and what it accepts).
+    """
+    check_choice("name", name, OPTIMIZERS)
+    if name in FIRST_ORDER:
+        if options:
+            key = sorted(options)[0]
+            raise ConfigError(key, options[key],
+                              f"no preconditioner options for the first-order {name!r}")
+        return
+    if name == "mkor-h":
+        hybrid, mkor = _split_hybrid(options)
+        config_from_options(HybridConfig, None, hybrid)
+        config_from_options(MKORConfig, None, mkor)
+        return
+    config_type = {"kfac": KFACConfig, "eva": EvaConfig, "mkor": MKORConfig}[name]
+    config_from_options(config_type, None, options)
+
+
 def build_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: float = 0.0,
                     momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.999),
                     base: str | None = None, **precond_options: Any) -> SecondOrderOptimizer:
@@ -196,9 +227,7 @@ def build_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: flo
     elif name == "mkor":
         preconditioner = MKORPreconditioner(model, **precond_options)
     else:  # mkor-h
-        hybrid_keys = {f.name for f in fields(HybridConfig)}
-        hybrid = {k: v for k, v in precond_options.items() if k in hybrid_keys}
-        mkor = {k: v for k, v in precond_options.items() if k not in hybrid_keys}
+        hybrid, mkor = _split_hybrid(precond_options)
         preconditioner = HybridSwitch(MKORPreconditioner(model, **mkor), **hybrid)
     return SecondOrderOptimizer(name, first_order, preconditioner)
 

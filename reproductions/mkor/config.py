@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, check_choice, check_number
-from core.optim import FIRST_ORDER, OPTIMIZERS
+from core.optim import FIRST_ORDER, OPTIMIZERS, check_preconditioner_options
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Where the experiment files live; ``--config NAME`` also finds ``CONFIG_DIR/NAME.json``."""
@@ -153,6 +153,11 @@ class PretrainConfig:
                                                        if o not in FIRST_ORDER))
             if not isinstance(options, dict):
                 raise ConfigError(f"preconditioner.{name}", options, "an object of options")
+            try:  # now, not after the corpus and the model are loaded
+                check_preconditioner_options(name, options)
+            except ConfigError as err:
+                raise ConfigError(f"preconditioner.{name}.{err.field_name}", err.value,
+                                  err.allowed) from None
         _check_strings("corpus", self.corpus)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("schedule", self.schedule, SCHEDULES)

@@ -11,7 +11,7 @@ from timm.optim import Lamb
 from torch import nn
 
 from core import ConfigError, EvaPreconditioner, HybridSwitch, build_optimizer
-from core.optim import OPTIMIZERS
+from core.optim import OPTIMIZERS, check_preconditioner_options
 
 torch.set_num_threads(1)
 
@@ -121,6 +121,22 @@ def test_bad_names_and_options(name: str, kwargs: dict, field: str) -> None:
     assert err.value.field_name == field
     if field == "name":
         assert all(repr(valid) in str(err.value) for valid in OPTIMIZERS)
+
+
+@pytest.mark.parametrize(("name", "options", "field"), [
+    ("kfac", {"damping": -1.0}, "damping"),
+    ("eva", {"inverse_method": "eigen"}, "inverse_method"),
+    ("mkor-h", {"window": 0}, "window"),
+    ("mkor-h", {"update_rule": "nope"}, "update_rule"),
+    ("lamb", {"damping": 0.1}, "damping"),
+])
+def test_preconditioner_options_are_checked_without_a_model(name: str, options: dict,
+                                                             field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        check_preconditioner_options(name, options)
+    assert err.value.field_name == field
+    check_preconditioner_options(name.replace("lamb", "sgd"), {} if name == "lamb" else
+                                 {"mkor-h": {"window": 5}}.get(name, {}))
 
 
 def test_mkor_h_needs_the_loss() -> None:

@@ -57,6 +57,9 @@ def test_overrides() -> None:
     ({"lr": -1.0}, "lr"),
     ({"warm_start.lr": 0.0}, "warm_start.lr"),
     ({"precision": "fp8"}, "precision"),
+    ({"preconditioner.kfac.damping": -1.0}, "preconditioner.kfac.damping"),
+    ({"preconditioner.mkor.stat_decay_typo": 0.9}, "preconditioner.mkor.stat_decay_typo"),
+    ({"preconditioner.mkor-h.window": 0}, "preconditioner.mkor-h.window"),
 ])
 def test_errors_name_the_field(overrides: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:
