@@ -53,7 +53,8 @@ if str(ROOT) not in sys.path:
 from core.optim import build_optimizer  # noqa: E402
 from scripts import bench  # noqa: E402
 
-DEFAULT_PEER_PATH = Path("/work/peers/kaisa")
+#: Where the peer package is looked for by default: outside the package, ignored by git.
+DEFAULT_PEER_PATH = ROOT / ".peers" / "kaisa"
 PIP_COMMAND = "python -m pip install --no-deps --target {path} kfac-pytorch"
 INTERVAL = 10
 OURS = "kfac-inverse"
