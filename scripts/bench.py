@@ -871,7 +871,9 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
                 "n/a (our overhead is below this run's noise: measure with more --rounds)")
     r = find(rows, "bert-small", "mkor", 10)
     if r is not None:
-        add("bert-small mkor every 10: step / LAMB step", [r.ratio], 1.1, False)
+        add("bert-small mkor every 10: step / LAMB step", [r.ratio], 1.1, False,
+            None if r.ratio >= 1 else
+            "n/a (below the LAMB step: this run's noise; measure with more --rounds)")
     return out
 
 
