@@ -158,8 +158,8 @@ class KFACConfig:
             "cholesky" form the damped inverses, which pays off only when each inverse update
             serves many steps; "cholesky_solve" keeps their Cholesky factors and applies them
             by triangular solves (same result, about a third of the inversion work, solves
-            costing what the products do): the cheaper choice for short ``inv_update_steps``
-            (below ~50 steps per update at ResNet-18's sizes on one CPU thread).
+            costing what the products do on wide factors): the cheaper choice for wide
+            factors and short ``inv_update_steps`` (docs/benchmarks.md).
         damping_split: "full" (λ on each factor) or "pi" (trace-norm π split); not for "eigen".
         factor_scaling: "kaisa", "kfc" or "dpkfac" (the code base whose damping values are used).
         kl_clip: KL-clip κ > 0, or None to disable.
