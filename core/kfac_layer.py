@@ -7,8 +7,8 @@ methods run on which rank and moves its tensors between ranks.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -26,11 +26,6 @@ from core.inverse import (
 from core.layer_base import PreconditionedLayer, nbytes
 from core.layers import LayerHelper, Rows
 from core.timing import StageTimer
-
-
-@contextmanager
-def _untimed(stage: str) -> Iterator[None]:
-    yield
 
 
 class KFACLayer(PreconditionedLayer):
@@ -89,7 +84,7 @@ class KFACLayer(PreconditionedLayer):
         batch slice at a time (see :data:`core.layers.ROW_PART_BYTES`). With ``timer``, row
         building is timed as ``capture`` and the factor GEMMs as ``factors``.
         """
-        stage = timer.stage if timer is not None else _untimed
+        stage = timer.stage if timer is not None else lambda _: nullcontext()
         helper, dtype = self.helper, self.factor_dtype
         for x in self.captured_inputs:
             self.a.accumulate(self._batch_factor(
