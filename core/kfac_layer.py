@@ -155,11 +155,14 @@ class KFACLayer(PreconditionedLayer):
 
     # Inversion -------------------------------------------------------------------------------
     def compute_inverse(self, *, method: str, damping: float, split: str,
-                        dtype: torch.dtype, sides: tuple[str, ...] = SIDES) -> None:
+                        dtype: torch.dtype, state_dtype: torch.dtype | None = None,
+                        sides: tuple[str, ...] = SIDES) -> None:
         """Recompute the second-order state of ``sides``; on failure keep the last good one.
 
-        A distributed strategy may ask for one side only (the factors of a layer inverted on
-        different ranks); the other side's tensors then stay as they are until they arrive.
+        The decomposition runs in ``dtype`` and is kept in ``state_dtype`` (default ``dtype``;
+        a narrower one rounds it once, here). A distributed strategy may ask for one side only
+        (the factors of a layer inverted on different ranks); the other side's tensors then
+        stay as they are until they arrive.
         """
         if not sides or not self.has_factors:
             return
@@ -174,7 +177,7 @@ class KFACLayer(PreconditionedLayer):
                           f"({self.decomposition_failures} failures so far)", stacklevel=2)
             return
         if self.state is None:
-            self.state = self.empty_state(method, dtype, self.a.value.device)
+            self.state = self.empty_state(method, state_dtype or dtype, self.a.value.device)
         for side, values in parts.items():
             self.state.set_side(side, values)
         self.valid_sides.update(parts)

@@ -24,7 +24,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import STATE_TYPES, kl_clip_factor
+from core.inverse import STATE_TYPES, kl_clip_factor, make_state
 from core.kfac_layer import KFACLayer
 from core.layer_base import check_saved_layers, finite_gradients
 from core.layers import helper_for
@@ -122,6 +122,7 @@ class KFACPreconditioner:
         self.skipped_overflow_steps = 0
         self.last_kl_scale = 1.0
         self.inverse_dtype = getattr(torch, self.config.inverse_dtype)
+        self.state_dtype = self.config.state_dtype
 
         if strategy_impl is None:
             from core.distributed import make_strategy
@@ -217,6 +218,7 @@ class KFACPreconditioner:
                     for layer in self.layers:
                         layer.compute_inverse(method=cfg.inverse_method, damping=damping,
                                               split=cfg.damping_split, dtype=self.inverse_dtype,
+                                              state_dtype=self.state_dtype,
                                               sides=strategy.inverse_sides(layer))
             if self._enabled("inverse_comm"):
                 with timer.stage("inverse_comm"):
@@ -230,8 +232,8 @@ class KFACPreconditioner:
                     if grad is None or not strategy.preconditions(layer):
                         continue
                     p = layer.precondition(grad, damping)
-                    if p is not None:
-                        preconditioned[layer.name] = p
+                    if p is not None:  # a bf16 state's product returns to the inverse dtype
+                        preconditioned[layer.name] = p.to(self.inverse_dtype)
         if self._enabled("grad_comm") and self._enabled("precondition"):
             with timer.stage("grad_comm"):
                 with_grad = [layer for layer in self.layers if grads[layer.name] is not None]
@@ -308,6 +310,9 @@ class KFACPreconditioner:
                              f"inverse_method={self.config.inverse_method!r} needs {kind!r}")
         for layer in self.layers:
             layer.load_state_dict(state["layers"][layer.name])
+            if layer.state is not None:  # saved under another precondition_dtype: convert
+                layer.state = make_state(layer.state.kind,
+                                         [t.to(self.state_dtype) for t in layer.state.tensors()])
         self.strategy.load_state_dict(state["strategy"])
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])

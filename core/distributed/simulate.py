@@ -184,7 +184,7 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
             strategy.reduce_factors(layers)
             _keep_factors(layers)
         if update_due("inv_update_steps", config.inv_update_steps, step):
-            _invert(strategy, layers, config.inverse_method, inverse_dtype)
+            _invert(strategy, layers, config.inverse_method, config.state_dtype)
             strategy.communicate_inverses(layers)
         preconditioned = {
             layer.name: torch.empty(layer.g_dim, layer.a_dim, dtype=inverse_dtype, device=META)

@@ -236,7 +236,8 @@ class KAISAStrategy(DistributedStrategy):
             if not self.ready[layer.name] or placement.group != group:
                 continue
             if layer.state is None:
-                layer.state = layer.empty_state(self.method, self.dtype, layer.device)
+                layer.state = layer.empty_state(self.method, self.config.state_dtype,
+                                                layer.device)
             for side in SIDES:
                 src = placement.rank_of(side)
                 if src != self.rank:

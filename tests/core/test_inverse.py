@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from core import KFACPreconditioner
+from core.config import ConfigError
 from core.inverse import (
     CholeskyState,
     DecompositionError,
@@ -237,3 +238,83 @@ def test_cholesky_solve_failures_raise_decomposition_error() -> None:
         damped_cholesky(torch.full((2, 2), float("nan")), 0.1, torch.float32)
     with pytest.raises(DecompositionError, match="exceeds torch.float32's range"):
         damped_cholesky(torch.zeros(3, 3), 1e-40, torch.float32)
+
+
+# States kept in bf16 (precondition_dtype) ---------------------------------------------------
+#: bf16's unit roundoff (8 significant bits).
+BF16_U = 2.0**-8
+
+
+@pytest.mark.parametrize("method", ["inverse", "cholesky", "eigen"])
+def test_bf16_state_stays_within_the_rounding_bound_of_the_dense_formula(method: str) -> None:
+    """Each rounding (gradient, state entries, each product's output) moves an entry by at
+    most ``u`` relative, so ``|P̂ − P|`` is at most a few ``u`` times the product of the
+    absolute values: the bound that also says when the error is large (cancellation, as in
+    a rank-deficient factor under small damping)."""
+    torch.manual_seed(1)
+    model = small_cnn()
+    damping = 0.01
+    precond, raw, new = one_step(model, torch.randn(4, 2, 6, 6, dtype=torch.float64),
+                                 damping=damping, inverse_method=method, kl_clip=None,
+                                 precondition_dtype="bfloat16")
+    for layer in precond.layers:
+        assert all(t.dtype == torch.bfloat16 for t in layer.state.tensors())
+        assert new[layer.name].dtype == torch.float64
+        a, g, grad = layer.a.value, layer.g.value, raw[layer.name]
+        if method == "eigen":
+            da, qa = torch.linalg.eigh(a)
+            dg, qg = torch.linalg.eigh(g)
+            scale = torch.outer(dg.clamp_min(0), da.clamp_min(0)) + damping
+            expected = dense_eigen_precondition(grad, a, g, damping)
+            magnitude = qg.abs() @ ((qg.abs().T @ grad.abs() @ qa.abs()) / scale) @ qa.abs().T
+            rounding = 10 * BF16_U
+        else:
+            expected = dense_inverse_precondition(grad, a, g, damping, damping)
+            eye_a, eye_g = torch.eye(a.shape[0]), torch.eye(g.shape[0])
+            ia = torch.linalg.inv(a + damping * eye_a.double()).abs()
+            ig = torch.linalg.inv(g + damping * eye_g.double()).abs()
+            magnitude = ig @ grad.abs() @ ia
+            rounding = 6 * BF16_U
+        error = (new[layer.name] - expected).abs()
+        assert bool((error <= rounding * magnitude + 1e-12).all()), layer.name
+        assert float(error.max()) > 0  # rounded to bf16, not computed in fp64
+
+
+def test_bf16_state_halves_the_state_memory_of_fp32() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(4, 2, 6, 6)
+    usage = {}
+    for dtype in ("float32", "bfloat16"):
+        model = small_cnn().float()
+        precond = KFACPreconditioner(model, inverse_method="inverse", precondition_dtype=dtype)
+        model(x).pow(2).mean().backward()
+        precond.step()
+        usage[dtype] = precond.memory_usage()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert usage["bfloat16"]["inverses"] * 2 == usage["float32"]["inverses"] > 0
+    assert usage["bfloat16"]["factors"] == usage["float32"]["factors"]
+
+
+def test_bf16_state_rejects_cholesky_solve_and_unknown_dtypes() -> None:
+    with pytest.raises(ConfigError, match="precondition_dtype.*triangular solves"):
+        KFACPreconditioner(small_cnn(), inverse_method="cholesky_solve",
+                           precondition_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="precondition_dtype"):
+        KFACPreconditioner(small_cnn(), precondition_dtype="float16")
+
+
+def test_a_checkpoint_loads_into_another_precondition_dtype() -> None:
+    """A run may switch its state dtype on resume: the saved state is converted."""
+    torch.manual_seed(3)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    model = small_cnn()
+    saved = KFACPreconditioner(model, inverse_method="inverse")
+    model(x).pow(2).mean().backward()
+    saved.step()
+    loaded = KFACPreconditioner(small_cnn(), inverse_method="inverse",
+                                precondition_dtype="bfloat16")
+    loaded.load_state_dict(saved.state_dict())
+    for before, after in zip(saved.layers, loaded.layers, strict=True):
+        for a, b in zip(before.state.tensors(), after.state.tensors(), strict=True):
+            assert b.dtype == torch.bfloat16
+            torch.testing.assert_close(b, a.to(torch.bfloat16), rtol=0, atol=0)

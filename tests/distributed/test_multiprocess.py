@@ -37,6 +37,12 @@ P4_CONFIGS: dict[str, dict[str, Any]] = {
     "mpd-kfac-round-robin": {"strategy": "mpd-kfac", "assignment": "round-robin"},
     "osawa": {"strategy": "osawa", "symmetry_aware": True, "assignment": "contiguous"},
     "dp-kfac": {"strategy": "dp-kfac", "kl_clip": None},
+    # States rounded to bf16: broadcast in bf16, preconditioned gradients in the inverse dtype.
+    "comm-opt-inverse-bf16": {"strategy": "comm-opt", "inverse_method": "inverse",
+                              "factor_dtype": "float64", "inverse_dtype": "float64",
+                              "precondition_dtype": "bfloat16"},
+    "dp-kfac-bf16": {"strategy": "dp-kfac", "kl_clip": None, "inverse_method": "inverse",
+                     "precondition_dtype": "bfloat16"},
 }
 P2_CONFIGS: dict[str, dict[str, Any]] = {
     "d-kfac": {"strategy": "d-kfac"},
@@ -59,6 +65,9 @@ ROUND_TRIPS = {name: P2_CONFIGS[name]
 
 FP32_TOLERANCE = 1e-4
 FP16_WIRE_TOLERANCE = 2e-2
+#: A bf16 state rounds each entry by up to 2⁻⁹, relatively; ranks whose fp32 factors differ in
+#: the last bits (reduction order) may round some entries the other way.
+BF16_STATE_TOLERANCE = 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +84,8 @@ def p2() -> list[dict[str, Any]]:
 
 
 def _check_against_reference(runs: list[dict[str, Any]], name: str, options: dict) -> None:
-    tolerance = FP16_WIRE_TOLERANCE if options.get("comm_dtype") else FP32_TOLERANCE
+    tolerance = (FP16_WIRE_TOLERANCE if options.get("comm_dtype") else
+                 BF16_STATE_TOLERANCE if options.get("precondition_dtype") else FP32_TOLERANCE)
     for rank, run in enumerate(runs):
         assert max(run["errors"]) < tolerance, (name, rank, run["errors"])
         if options["strategy"] == "dp-kfac":
@@ -128,8 +138,10 @@ def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, i
     strategy = KFACConfig(**options).canonical_strategy
     pack = options.get("symmetry_aware", False)
     wire = options.get("comm_dtype") or options.get("factor_dtype", "float32")
-    size = {"float64": 8, "float32": 4, "float16": 2, "uint8": 1}
+    size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
     precond_dtype = options.get("inverse_dtype", "float32")
+    state_wire = (options.get("comm_dtype") or options.get("precondition_dtype")
+                  or options.get("inverse_dtype", "float32"))
     method = options.get("inverse_method", "eigen")
     dims = {name: LAYER_DIMS[name] for name, _, _ in rows}
     place = {name: (a_rank, g_rank) for name, a_rank, g_rank in rows}
@@ -168,7 +180,7 @@ def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, i
                 for name, (a, g) in dims.items():
                     if rank in column(name):
                         for side_rank, n in zip(place[name], (a, g), strict=True):
-                            add(step, "inverse_comm", "broadcast", wire, state_size(n),
+                            add(step, "inverse_comm", "broadcast", state_wire, state_size(n),
                                 0 if side_rank == rank else state_size(n))
         if strategy in ("mem-opt", "dp-kfac"):
             add(step, "grad_comm", "broadcast", precond_dtype, psi,
@@ -207,7 +219,8 @@ def test_memory_holds_what_each_rank_should(p4: list[dict[str, Any]], name: str)
     options = P4_CONFIGS[name]
     strategy = KFACConfig(**options).canonical_strategy
     factor_size = 8 if options.get("factor_dtype") == "float64" else 4
-    state_size = 8 if options.get("inverse_dtype") == "float64" else 4
+    state_size = {"float64": 8, "float32": 4, "bfloat16": 2}[
+        options.get("precondition_dtype") or options.get("inverse_dtype", "float32")]
     eigen = options.get("inverse_method", "eigen") == "eigen"
     for rank, result in enumerate(p4):
         run = result["runs"][name]

@@ -21,7 +21,7 @@ STEPS = 3
 #: Options that change the mathematics (the rest only change who does what).
 MATH_OPTIONS = ("damping", "factor_decay", "inv_update_steps", "kl_clip", "lr",
                 "inverse_method", "damping_split", "factor_scaling", "factor_dtype",
-                "inverse_dtype")
+                "inverse_dtype", "precondition_dtype")
 
 Grads = dict[str, Tensor | None]
 
