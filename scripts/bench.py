@@ -49,7 +49,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +185,8 @@ class Rates:
         potrf: ``n³``/s of a Cholesky factorisation alone, by ``n``.
         trsm: ``n³``/s of a triangular solve of ``n`` right-hand sides, by ``n``.
         bandwidth: bytes/s of a large copy (read plus write).
+        gemm_bf16: FLOP/s of an ``n³`` bf16 matmul (fp32 accumulation), by ``n``: the rate of
+            the products with a state kept in bf16 (``precondition_dtype``).
     """
 
     gemm: dict[int, float]
@@ -193,6 +195,7 @@ class Rates:
     potrf: dict[int, float]
     trsm: dict[int, float]
     bandwidth: float
+    gemm_bf16: dict[int, float] = field(default_factory=dict)
 
     def at(self, kind: str, n: int) -> float:
         """The ``kind`` rate measured at the size nearest ``n`` (log scale)."""
@@ -219,11 +222,13 @@ def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
     """GEMM, eigh, Cholesky (with and without the inverse) and triangular-solve throughput at
     ``sizes``, and copy bandwidth: the best of five calls up to 1024, of three up to 2048, one
     above (an eigh there takes seconds)."""
-    gemm, eigh, cholesky, potrf, trsm = {}, {}, {}, {}, {}
+    gemm, eigh, cholesky, potrf, trsm, gemm_bf16 = {}, {}, {}, {}, {}, {}
     for n in sizes:
         repeats_n = 5 if n <= 1024 else 3 if n <= 2048 else 1
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
         gemm[n] = 2 * n**3 / clock.best(lambda a=a, b=b: a @ b, repeats_n)
+        low_a, low_b = a.bfloat16(), b.bfloat16()
+        gemm_bf16[n] = 2 * n**3 / clock.best(lambda a=low_a, b=low_b: a @ b, repeats_n)
         spd = _spd(n, device)
         eigh[n] = n**3 / clock.best(lambda s=spd: torch.linalg.eigh(s), repeats_n)
         cholesky[n] = n**3 / clock.best(
@@ -237,7 +242,7 @@ def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
     dst = torch.empty_like(src)
     seconds = clock.best(lambda: dst.copy_(src), 5)
     return Rates(gemm, eigh, cholesky, potrf, trsm,
-                 bandwidth=2 * src.numel() * src.element_size() / seconds)
+                 bandwidth=2 * src.numel() * src.element_size() / seconds, gemm_bf16=gemm_bf16)
 
 
 # Workloads -----------------------------------------------------------------------------------
@@ -393,6 +398,11 @@ class Method:
     kind: str
 
     @property
+    def state_word(self) -> int:
+        """Bytes per entry of the second-order state (``precondition_dtype``)."""
+        return 2 if self.options.get("precondition_dtype") == "bfloat16" else 4
+
+    @property
     def decomposition(self) -> str:
         """Kernel kind of the inversion stage: ``eigh``, ``cholesky`` (factorisation and
         inverse) or ``potrf`` (``cholesky_solve`` keeps the factorisation); rank-1: unused."""
@@ -401,13 +411,18 @@ class Method:
 
 
 KFAC_SCHEDULE = ("factor_update_steps", "inv_update_steps")
+DP_KFAC = {"inverse_method": "inverse", "strategy": "dp-kfac", "factor_scaling": "dpkfac",
+           "damping_split": "pi"}
+#: Inverses kept and applied in bf16 (KAISA's ``inv_dtype``), decomposed in fp32.
+BF16_STATE = {"precondition_dtype": "bfloat16"}
 METHODS = (
     Method("kfac-eigen", "kfac", {"inverse_method": "eigen"}, KFAC_SCHEDULE, "kfac"),
     Method("kfac-inverse", "kfac", {"inverse_method": "inverse"}, KFAC_SCHEDULE, "kfac"),
     Method("kfac-solve", "kfac", {"inverse_method": "cholesky_solve"}, KFAC_SCHEDULE, "kfac"),
-    Method("dp-kfac", "kfac", {"inverse_method": "inverse", "strategy": "dp-kfac",
-                               "factor_scaling": "dpkfac", "damping_split": "pi"},
+    Method("dp-kfac", "kfac", DP_KFAC, KFAC_SCHEDULE, "kfac"),
+    Method("kfac-inverse-bf16", "kfac", {"inverse_method": "inverse", **BF16_STATE},
            KFAC_SCHEDULE, "kfac"),
+    Method("dp-kfac-bf16", "kfac", DP_KFAC | BF16_STATE, KFAC_SCHEDULE, "kfac"),
     Method("mkor", "mkor", {}, ("inv_update_steps",), "mkor"),
     Method("eva", "eva", {}, ("factor_update_steps",), "eva"),
 )
@@ -622,7 +637,8 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     and inverse, or the factorisation alone for ``cholesky_solve``); preconditioning is GEMMs
     (``2·g·a·(g + a)`` FLOPs, twice that for the eigenbasis rotations) or, for
     ``cholesky_solve``, four triangular solves of the same FLOPs at the measured triangular-solve
-    rate (two against each factor). Memory-bound work (the
+    rate (two against each factor); with a bf16 state (``precondition_dtype``) the GEMMs count
+    at the measured bf16 GEMM rate and the state is read at 2 bytes an entry. Memory-bound work (the
     rank-1 statistics and updates, Eva's closed form, the scale and write-back) counts the
     passes over its data at the copy bandwidth. Capture (building factor rows) has no bound of
     its own: a lower bound need not materialise rows, so it counts as overhead of ``factors``.
@@ -640,7 +656,9 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     for layer in layers:
         a, g, rows = layer.a_dim, layer.g_dim, layer.rows
         squares = a * a + g * g
-        gemm = at_least_read(2 * g * a * (g + a) / rates.at("gemm", min(g, a)), g * a + squares)
+        gemm_kind = "gemm_bf16" if method.state_word == 2 else "gemm"
+        gemm = max(2 * g * a * (g + a) / rates.at(gemm_kind, min(g, a)),
+                   (g * a * word + squares * method.state_word) / rates.bandwidth)
         scale = 3 * g * a * word / rates.bandwidth  # read P and the gradient, write .grad
         if method.kind == "kfac":
             update["factors"] += at_least_read(
@@ -798,11 +816,14 @@ class Peers:
             KAISA, the DP-KFAC code and the MKOR code.
         bert_dpkfac: Small BERT every 10 steps, DP-KFAC (inverse).
         bert_mkor: Small BERT every 10 steps, MKOR.
+        resnet_inverse_bf16: As ``resnet_inverse``, with the inverses kept and applied in bf16
+            (KAISA's ``inv_dtype=torch.bfloat16``): the peers of the ``-bf16`` methods.
     """
 
     resnet_inverse: dict[str, float]
     bert_dpkfac: float
     bert_mkor: float
+    resnet_inverse_bf16: dict[str, float] = field(default_factory=dict)
 
 
 def find(rows: Sequence[Row], workload: str, method: str, interval: int) -> Row | None:
@@ -832,10 +853,11 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
     out: list[dict[str, Any]] = []
 
     def add(name: str, values: list[float], limit: float, at_least: bool,
-            undecided: str | None = None) -> None:
+            undecided: str | None = None, why_not: str | None = None) -> None:
         met = all((v >= limit) if at_least else (v <= limit) for v in values)
         out.append({"target": name, "measured": values, "limit": limit, "at_least": at_least,
-                    "met": None if undecided else met, "note": undecided})
+                    "met": None if undecided else met,
+                    "note": undecided or (None if met else why_not)})
 
     pairs = dict.fromkeys((r.workload, r.method) for r in rows)
     for workload, method in pairs:
@@ -849,19 +871,29 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
                 [mine[0].memory_ratio], 1.2, False,
                 "n/a (state below the probe's noise)" if noisy else None)
     fastest = min(peers.resnet_inverse.values())
-    for workload, method, peer in (("resnet18-32", "kfac-inverse", fastest),
-                                   ("resnet18-32", "kfac-solve", fastest),
-                                   ("resnet18-32", "dp-kfac", fastest),
-                                   ("bert-small", "dp-kfac", peers.bert_dpkfac),
-                                   ("bert-small", "mkor", peers.bert_mkor)):
+    comparisons = [("resnet18-32", "kfac-inverse", fastest),
+                   ("resnet18-32", "kfac-solve", fastest),
+                   ("resnet18-32", "dp-kfac", fastest),
+                   ("bert-small", "dp-kfac", peers.bert_dpkfac),
+                   ("bert-small", "mkor", peers.bert_mkor)]
+    if peers.resnet_inverse_bf16:
+        fastest_bf16 = min(peers.resnet_inverse_bf16.values())
+        comparisons += [("resnet18-32", "kfac-inverse-bf16", fastest_bf16),
+                        ("resnet18-32", "dp-kfac-bf16", fastest_bf16)]
+    for workload, method, peer in comparisons:
         r = find(rows, workload, method, 10)
         if r is None:
             continue
         infeasible = peer < PEER_SPEEDUP
+        # The step the work's lower bound (at this machine's kernel rates) allows, in base steps.
+        floor = 1 + sum(r.bound_s.values()) * r.ratio / r.step_s
         add(f"{workload} {method} every 10: step speed-up over the fastest peer "
             f"({peer:g}x base)", [peer / r.ratio], PEER_SPEEDUP, True,
             f"infeasible as stated (needs a step below {peer / PEER_SPEEDUP:.2f}x the "
-            "first-order step); see the overhead row" if infeasible else None)
+            "first-order step); see the overhead row" if infeasible else None,
+            f"out of reach at this precision: the work's lower bound at the measured kernel "
+            f"rates alone makes the step {floor:.2f}x the first-order one, the target needs "
+            f"below {peer / PEER_SPEEDUP:.2f}x" if floor > peer / PEER_SPEEDUP else None)
         if infeasible:
             overhead = r.ratio - 1
             add(f"{workload} {method} every 10: overhead over base, peer's / ours "
@@ -880,7 +912,8 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
 def targets_table(results: Sequence[dict[str, Any]]) -> str:
     lines = [[t["target"], " / ".join(f"{v:.2f}" for v in t["measured"]),
               ("≥ " if t["at_least"] else "≤ ") + f"{t['limit']:g}",
-              t["note"] if t["met"] is None else ("met" if t["met"] else "**not met**")]
+              t["note"] if t["met"] is None else "met" if t["met"] else
+              "**not met**" + (f": {t['note']}" if t["note"] else "")]
              for t in results]
     return markdown_table(["target", "measured", "limit", "status"], lines)
 
@@ -932,6 +965,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="KAISA's step every 10 over SGD's, measured here with its public "
                              "code by scripts/measure_peer_kaisa.py (docs/peers.md; the issue "
                              "author gave 12.5)")
+    parser.add_argument("--peer-kaisa-bf16", type=float, default=None,
+                        help="the same with KAISA's inverses in bf16 (inv_dtype), measured by "
+                             "scripts/measure_peer_kaisa.py --inv-dtype bfloat16")
     parser.add_argument("--peer-dpkfac", type=float, default=10.9)
     parser.add_argument("--peer-mkor", type=float, default=6.6)
     parser.add_argument("--peer-bert-dpkfac", type=float, default=1.26)
@@ -953,7 +989,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     names = args.workloads or (QUICK if args.quick else FULL)
     methods = [m for m in METHODS if m.name in args.methods]
     peers = Peers({"KAISA": args.peer_kaisa, "DP-KFAC": args.peer_dpkfac,
-                   "MKOR": args.peer_mkor}, args.peer_bert_dpkfac, args.peer_bert_mkor)
+                   "MKOR": args.peer_mkor}, args.peer_bert_dpkfac, args.peer_bert_mkor,
+                  {} if args.peer_kaisa_bf16 is None else {"KAISA": args.peer_kaisa_bf16})
     load = {"start": os.getloadavg()}
     started = time.perf_counter()
     sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)

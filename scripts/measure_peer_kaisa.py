@@ -57,7 +57,8 @@ from scripts import bench  # noqa: E402
 DEFAULT_PEER_PATH = ROOT / ".peers" / "kaisa"
 PIP_COMMAND = "python -m pip install --no-deps --target {path} kfac-pytorch"
 INTERVAL = 10
-OURS = "kfac-inverse"
+#: Our method against KAISA with its inverses in each ``inv_dtype``.
+OURS = {"float32": "kfac-inverse", "bfloat16": "kfac-inverse-bf16"}
 
 
 class Preconditioner(Protocol):
@@ -115,8 +116,10 @@ def peer_provenance(kfac: ModuleType) -> dict[str, Any]:
     return info
 
 
-def kaisa_factory(kfac: ModuleType, skip_layers: Sequence[str]) -> PeerFactory:
-    """KAISA configured as the benchmark cell (every keyword spelled out, defaults included)."""
+def kaisa_factory(kfac: ModuleType, skip_layers: Sequence[str], inv_dtype: str = "float32"
+                  ) -> PeerFactory:
+    """KAISA configured as the benchmark cell (every keyword spelled out, defaults included);
+    ``inv_dtype`` is the dtype KAISA keeps and applies its inverses in."""
     enums = kfac.enums
 
     def make(model: torch.nn.Module, schedule: Callable[[int], int], lr: float
@@ -126,7 +129,7 @@ def kaisa_factory(kfac: ModuleType, skip_layers: Sequence[str]) -> PeerFactory:
             damping=0.001, factor_decay=0.95, kl_clip=0.001, lr=lr,
             compute_method=enums.ComputeMethod.INVERSE,
             grad_worker_fraction=enums.DistributedStrategy.COMM_OPT,
-            symmetry_aware=False, inv_dtype=torch.float32, factor_dtype=None,
+            symmetry_aware=False, inv_dtype=getattr(torch, inv_dtype), factor_dtype=None,
             skip_layers=list(skip_layers))
 
     return make
@@ -136,7 +139,7 @@ KAISA_CONFIG = {
     "compute_method": "INVERSE", "factor_update_steps": INTERVAL, "inv_update_steps": INTERVAL,
     "damping": 0.001, "factor_decay": 0.95, "kl_clip": 0.001, "lr": "the SGD lr",
     "grad_worker_fraction": "COMM_OPT (1.0; one process)", "symmetry_aware": False,
-    "inv_dtype": "float32", "factor_dtype": "None (fp32 training)",
+    "inv_dtype": "float32 (--inv-dtype)", "factor_dtype": "None (fp32 training)",
     "allreduce_bucket_cap_mb": "25 (default; no communication in one process)",
 }
 
@@ -215,8 +218,9 @@ def summary(run: bench.MethodRun, blocks: Sequence[int], interval: int) -> dict[
 
 def measure(workload: bench.Workload, make_peer: PeerFactory, *, blocks: int,
             device: torch.device, clock: bench.Clock, include_ours: bool = True,
-            interval: int = INTERVAL) -> dict[str, Any]:
-    """KAISA's (and ours, unless ``include_ours`` is False) amortized step over the SGD step.
+            interval: int = INTERVAL, ours: str = OURS["float32"]) -> dict[str, Any]:
+    """KAISA's (and ours, method ``ours``, unless ``include_ours`` is False) amortized step
+    over the SGD step.
 
     Runs ``blocks`` blocks of ``workload.rounds`` rounds per method, alternating which method
     goes first, every step after a step of one shared SGD base trainer.
@@ -228,7 +232,7 @@ def measure(workload: bench.Workload, make_peer: PeerFactory, *, blocks: int,
     memory = bench.MemoryProbe(device)
     load = {"start": os.getloadavg()}
     base, _ = bench.run_base(workload, device, memory, nullcontext)
-    method = next(m for m in bench.METHODS if m.name == OURS)
+    method = next(m for m in bench.METHODS if m.name == ours)
     runs: dict[str, list[bench.MethodRun]] = {"peer": [], "ours": []}
     block_of: dict[str, list[int]] = {"peer": [], "ours": []}
     for block in range(blocks):
@@ -258,33 +262,36 @@ def measure(workload: bench.Workload, make_peer: PeerFactory, *, blocks: int,
 
 # Report --------------------------------------------------------------------------------------
 def markdown(result: dict[str, Any], workload: str, version: str | None,
-             interval: int = INTERVAL) -> str:
+             interval: int = INTERVAL, inv_dtype: str = "float32") -> str:
     """One markdown table row: workload, KAISA's ratio, ours, the speed-up."""
     ours = result.get("ours")
-    return (f"| {workload} | KAISA (kfac-pytorch {version}), inverse, every {interval} | "
-            f"{result['peer']['ratio']:.2f}x | ours {OURS}, every {interval} | "
+    inverse = "inverse" if inv_dtype == "float32" else f"inverse in {inv_dtype}"
+    return (f"| {workload} | KAISA (kfac-pytorch {version}), {inverse}, every {interval} | "
+            f"{result['peer']['ratio']:.2f}x | ours {OURS[inv_dtype]}, every {interval} | "
             + (f"{ours['ratio']:.2f}x | {result['speedup']:.2f}x |" if ours else "- | - |"))
 
 
 def report(result: dict[str, Any], peer: dict[str, Any], workload: bench.Workload,
-           blocks: int, env: dict[str, Any], wall_s: float) -> dict[str, Any]:
+           blocks: int, env: dict[str, Any], wall_s: float, inv_dtype: str = "float32"
+           ) -> dict[str, Any]:
     """Everything the run measured and what it ran, as written to ``--json``: ``peer`` (the
     peer's version, file hashes and configuration), ``kaisa`` and ``ours`` (:func:`summary`),
     ``speedup`` (KAISA's ratio over ours), the thread settings and the load average."""
     header = ("| workload | peer | peer x SGD | ours | ours x SGD | speed-up |\n"
               "|---|---|---|---|---|---|")
-    line = markdown(result, workload.name, peer.get("version"))
+    line = markdown(result, workload.name, peer.get("version"), inv_dtype=inv_dtype)
+    ours = OURS[inv_dtype]
     return {
         "workload": {"name": workload.name, "description": workload.description,
                      "base": workload.base, "lr": workload.lr},
         "interval": INTERVAL, "rounds_per_block": workload.rounds, "blocks": blocks,
         "amortization": "(T_update + (N - 1) T_plain) / N on the median ratios to the adjacent "
                         "SGD step, N = interval (bench.amortize)",
-        "peer": {**peer, "config": KAISA_CONFIG},
+        "peer": {**peer, "config": KAISA_CONFIG | {"inv_dtype": inv_dtype}},
         "environment": env, "load": result["load"], "wall_s": wall_s,
         "kaisa": result["peer"],
         "ours": None if "ours" not in result else {
-            "method": OURS, "options": next(m.options for m in bench.METHODS if m.name == OURS),
+            "method": ours, "options": next(m.options for m in bench.METHODS if m.name == ours),
             **result["ours"]},
         "speedup": result.get("speedup"), "markdown": f"{header}\n{line}",
     }
@@ -300,6 +307,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", type=int, default=2,
                         help="blocks per method, alternating which method runs first")
     parser.add_argument("--no-ours", action="store_true", help="measure KAISA only")
+    parser.add_argument("--inv-dtype", choices=sorted(OURS), default="float32",
+                        help="KAISA's inv_dtype; ours keeps its inverses in the same dtype")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     return parser.parse_args(argv)
@@ -313,10 +322,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     workload = bench.WORKLOADS[args.workload]
     workload = bench.Workload(**{**workload.__dict__, "rounds": args.rounds})
     started = time.perf_counter()
-    result = measure(workload, kaisa_factory(kfac, workload.skip_layers), blocks=args.blocks,
-                     device=device, clock=bench.Clock(device), include_ours=not args.no_ours)
+    result = measure(workload, kaisa_factory(kfac, workload.skip_layers, args.inv_dtype),
+                     blocks=args.blocks, device=device, clock=bench.Clock(device),
+                     include_ours=not args.no_ours, ours=OURS[args.inv_dtype])
     out = report(result, peer_provenance(kfac), workload, args.blocks,
-                 bench.environment(device), time.perf_counter() - started)
+                 bench.environment(device), time.perf_counter() - started, args.inv_dtype)
     print(out["markdown"])
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

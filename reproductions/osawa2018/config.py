@@ -101,6 +101,8 @@ class OsawaConfig:
             (first-order BatchNorm).
         bn_damping_scale: BatchNorm damping is this times the K-FAC damping (``stab_coeff``).
         strategy: Distribution strategy of K-FAC across processes (``osawa`` = the paper's).
+        precondition_dtype: dtype of the inverses (``bfloat16``: half the memory and fast
+            products on bf16 hardware; None: fp32, the paper's), see ``core.KFACConfig``.
         assignment: Layer-to-rank policy: ``contiguous`` (chainerkfac's ``np.array_split`` of
             the layers in model order), ``greedy`` (cost-balanced) or ``round-robin``.
         mixup_alpha: Beta parameter of running mixup; 0 disables mixup.
@@ -139,6 +141,7 @@ class OsawaConfig:
     bn_fisher: str = "unit"
     bn_damping_scale: float = 64.0
     strategy: str = "osawa"
+    precondition_dtype: str | None = None
     assignment: str = "contiguous"
     mixup_alpha: float = 0.4
     running_mixup: bool = True

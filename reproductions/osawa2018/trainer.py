@@ -91,7 +91,8 @@ class OsawaTrainer:
                 damping=config.effective_damping, factor_decay=config.factor_decay,
                 factor_update_steps=self.intervals, inv_update_steps=self.intervals,
                 kl_clip=None, accumulation_steps=self.accumulation_steps,
-                strategy=config.strategy, assignment=config.assignment)
+                strategy=config.strategy, assignment=config.assignment,
+                precondition_dtype=config.precondition_dtype)
             if config.bn_fisher != "none":
                 self.bn = BatchNormPreconditioner(
                     self.net, mode=config.bn_fisher,

@@ -170,3 +170,12 @@ def test_provenance_hashes_the_loaded_files(tmp_path: Path,
                        for rel, data in sorted(sources.items()))
     assert info["loaded_tree_sha256"] == hashlib.sha256(manifest.encode()).hexdigest()
     assert info["provenance"] == {"newest_commit": "dae45024"}
+
+
+def test_bf16_run_pairs_kaisa_inv_dtype_with_our_bf16_state() -> None:
+    result = {"peer": {"ratio": 2.0}, "ours": {"ratio": 1.6}, "speedup": 1.25}
+    line = peer.markdown(result, "resnet18-32", "0.7.0", inv_dtype="bfloat16")
+    assert "inverse in bfloat16" in line and "ours kfac-inverse-bf16" in line
+    assert peer.OURS["bfloat16"] in {m.name for m in bench.METHODS}
+    options = next(m.options for m in bench.METHODS if m.name == peer.OURS["bfloat16"])
+    assert options["precondition_dtype"] == "bfloat16"
