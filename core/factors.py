@@ -11,6 +11,8 @@ import itertools
 import math
 
 import torch
+from scipy.linalg import blas
+from threadpoolctl import ThreadpoolController
 from torch import Tensor
 
 from core.layers import Rows
@@ -18,6 +20,40 @@ from core.layers import Rows
 #: Column-block width of the symmetric product: blocks above the diagonal are computed and
 #: mirrored, so a ``d``-square factor costs ``(k + 1) / 2k`` of the full GEMM with ``k`` blocks.
 GRAM_BLOCK = 256
+#: On the CPU, run the symmetric product as one BLAS ``syrk`` (SciPy's OpenBLAS): PyTorch has
+#: no ``syrk``, and the blocks above cost 1.2-1.5x more on this project's CPUs
+#: (docs/benchmarks.md). Other devices multiply blocks.
+HOST_SYRK = True
+_SYRK = {torch.float32: blas.ssyrk, torch.float64: blas.dsyrk}
+_openblas = ThreadpoolController().select(internal_api="openblas")
+_openblas_threads = 0
+
+
+def _match_blas_threads() -> None:
+    """Give SciPy's OpenBLAS as many threads as torch has (``torch.set_num_threads``), so a
+    process that pins torch to one thread is not oversubscribed by the ``syrk``."""
+    global _openblas_threads
+    threads = torch.get_num_threads()
+    if threads != _openblas_threads:
+        _openblas.limit(limits=threads)
+        _openblas_threads = threads
+
+
+def _host_syrk(out: Tensor, m: Tensor, scale: float, beta: float) -> None:
+    """``out ← beta·out + scale·m mᵀ`` on and above ``out``'s diagonal, in place, by BLAS.
+
+    ``out`` is row-major, so BLAS sees its transpose and fills its "lower" triangle; ``m`` goes
+    to BLAS without a copy when either it or its transpose is contiguous.
+    """
+    _match_blas_threads()
+    m = m.detach()
+    if m.is_contiguous():  # (dim, rows) row-major = (rows, dim) column-major: mᵀ·m in BLAS
+        a, trans = m.T.numpy(), 1
+    elif m.T.is_contiguous():  # column-major (dim, rows): m·mᵀ in BLAS
+        a, trans = m.numpy(), 0
+    else:
+        a, trans = m.contiguous().T.numpy(), 1
+    _SYRK[out.dtype](scale, a, beta=beta, c=out.numpy().T, trans=trans, lower=1, overwrite_c=1)
 
 
 def _block_edges(dim: int) -> list[tuple[int, int]]:
@@ -29,12 +65,12 @@ def _block_edges(dim: int) -> list[tuple[int, int]]:
 class SymmetricGram:
     """Accumulates ``Σ_k scale_k · m_k m_kᵀ`` over ``(dim, rows_k)`` matrices, exactly symmetric.
 
-    Like a symmetric rank-k update (BLAS ``syrk``): only the blocks on and above the diagonal
-    are multiplied (the scale folded into the GEMM), accumulating in place part after part, so
-    rows can be built and multiplied a cache-sized slice of the batch at a time; :meth:`result`
-    mirrors the blocks above the diagonal and symmetrises those on it (``(b + bᵀ) / 2``, exactly
-    symmetric since floating-point addition commutes). Autocast is off; parts are cast to
-    ``dtype``.
+    A symmetric rank-k update: on the CPU BLAS ``syrk`` itself (:data:`HOST_SYRK`), elsewhere
+    GEMMs of only the blocks on and above the diagonal (the scale folded into the GEMM). Either
+    accumulates in place part after part, so rows can be built and multiplied a cache-sized
+    slice of the batch at a time; :meth:`result` mirrors the upper triangle (with blocks, it
+    symmetrises the diagonal blocks, ``(b + bᵀ) / 2``, exactly symmetric since floating-point
+    addition commutes). Autocast is off; parts are cast to ``dtype``.
 
     Args:
         dim: The factor's dimension.
@@ -48,11 +84,16 @@ class SymmetricGram:
         self.out = torch.empty(dim, dim, dtype=dtype, device=device)
         self.edges = _block_edges(dim)
         self.beta = 0.0
+        self.syrk = HOST_SYRK and self.out.device.type == "cpu" and dtype in _SYRK
 
     def add(self, m: Tensor, scale: float) -> None:
         """Add ``scale · m mᵀ``."""
         with torch.autocast(device_type=m.device.type, enabled=False):
             m = m.to(self.out.dtype)
+            if self.syrk:
+                _host_syrk(self.out, m, scale, self.beta)
+                self.beta = 1.0
+                return
             for i, (r0, r1) in enumerate(self.edges):
                 for c0, c1 in self.edges[i:]:
                     block = self.out[r0:r1, c0:c1]
@@ -66,7 +107,10 @@ class SymmetricGram:
         assert self.beta == 1.0, "a factor needs at least one part of rows"
         for i, (r0, r1) in enumerate(self.edges):
             diagonal = out[r0:r1, r0:r1]
-            diagonal.add_(diagonal.T.clone(memory_format=torch.contiguous_format)).mul_(0.5)
+            if self.syrk:  # the upper triangle is the result: mirror it
+                diagonal.copy_(diagonal.triu() + diagonal.triu(1).T)
+            else:
+                diagonal.add_(diagonal.T.clone(memory_format=torch.contiguous_format)).mul_(0.5)
             for c0, c1 in self.edges[i + 1:]:
                 out[c0:c1, r0:r1] = out[r0:r1, c0:c1].T
         return out

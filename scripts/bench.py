@@ -85,6 +85,8 @@ KERNEL_LABELS = {"cholesky": "Cholesky + inverse", "potrf": "Cholesky factorisat
                  "trsm": "triangular solve", "eigh": "eigh"}
 
 Batch = dict[str, Tensor]
+#: Builds a workload's batch on a device; ``seed`` draws another one (default: the fixed one).
+BatchMaker = Callable[..., Batch]
 
 
 # Measurement primitives ----------------------------------------------------------------------
@@ -265,7 +267,7 @@ class Workload:
     name: str
     description: str
     build: Callable[[], nn.Module]
-    batch: Callable[[torch.device], Batch]
+    batch: BatchMaker
     loss: Callable[[nn.Module, Batch], Tensor]
     base: str
     lr: float
@@ -299,11 +301,11 @@ def tiny_cnn() -> nn.Module:
     )
 
 
-def images(batch: int, size: int, classes: int) -> Callable[[torch.device], Batch]:
-    """A fixed batch of random images and labels."""
+def images(batch: int, size: int, classes: int) -> BatchMaker:
+    """A fixed batch of random images and labels (another one per ``seed``)."""
 
-    def make(device: torch.device) -> Batch:
-        generator = torch.Generator().manual_seed(0)
+    def make(device: torch.device, seed: int = 0) -> Batch:
+        generator = torch.Generator().manual_seed(seed)
         return {"x": torch.randn(batch, 3, size, size, generator=generator).to(device),
                 "y": torch.randint(0, classes, (batch,), generator=generator).to(device)}
 
@@ -327,11 +329,12 @@ def bert(layers: int, hidden: int, heads: int, vocab: int) -> Callable[[], nn.Mo
     return build
 
 
-def masked_tokens(batch: int, seq: int, vocab: int) -> Callable[[torch.device], Batch]:
-    """Random token pairs with 15% of positions as MLM targets and random NSP labels."""
+def masked_tokens(batch: int, seq: int, vocab: int) -> BatchMaker:
+    """Random token pairs with 15% of positions as MLM targets and random NSP labels (another
+    draw per ``seed``)."""
 
-    def make(device: torch.device) -> Batch:
-        generator = torch.Generator().manual_seed(0)
+    def make(device: torch.device, seed: int = 0) -> Batch:
+        generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (batch, seq), generator=generator)
         labels = torch.where(torch.rand(batch, seq, generator=generator) < 0.15, ids, -100)
         types = (torch.arange(seq) >= seq // 2).long().expand(batch, seq)

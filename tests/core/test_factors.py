@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from core import KFACPreconditioner
+from core.factors import SymmetricGram
 from tests.core.reference import conv_patches_naive, reference_factors, with_bias_column
 
 SCALINGS = ("kaisa", "kfc", "dpkfac")
@@ -121,6 +122,8 @@ def test_factors_stay_fp32_under_bf16_autocast() -> None:
 @pytest.mark.parametrize("block", [2, 3, 512])
 def test_blocked_symmetric_product_is_exact_and_symmetric(monkeypatch: pytest.MonkeyPatch,
                                                           block: int) -> None:
+    """The GEMM-per-block product that devices without a host ``syrk`` (GPUs) use."""
+    monkeypatch.setattr("core.factors.HOST_SYRK", False)
     monkeypatch.setattr("core.factors.GRAM_BLOCK", block)
     torch.manual_seed(5)
     conv = nn.Conv2d(2, 3, 3, padding=1).double()
@@ -134,12 +137,14 @@ def test_blocked_symmetric_product_is_exact_and_symmetric(monkeypatch: pytest.Mo
     assert torch.equal(a, a.T) and torch.equal(g, g.T)
 
 
+@pytest.mark.parametrize("host_syrk", [True, False])
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("conv_args", CONVS[:2])
 def test_factors_built_slice_by_slice_equal_the_whole_batch(
-        monkeypatch: pytest.MonkeyPatch, scaling: str, conv_args: dict) -> None:
+        monkeypatch: pytest.MonkeyPatch, scaling: str, conv_args: dict, host_syrk: bool) -> None:
     """Rows built and multiplied one example at a time (the cache-sized slices of large
-    batches) give the naive factors of the whole batch."""
+    batches) give the naive factors of the whole batch, with BLAS ``syrk`` or blocks."""
+    monkeypatch.setattr("core.factors.HOST_SYRK", host_syrk)
     monkeypatch.setattr("core.layers.ROW_PART_BYTES", 1)
     monkeypatch.setattr("core.layers.MIN_PART_ROWS", 1)
     monkeypatch.setattr("core.factors.GRAM_BLOCK", 2)
@@ -167,3 +172,47 @@ def test_linear_factors_with_bias_built_slice_by_slice(monkeypatch: pytest.Monke
     ref_a, ref_g = reference_factors(with_bias_column(x), gy, spatial=False, scaling="kaisa")
     torch.testing.assert_close(a, ref_a)
     torch.testing.assert_close(g, ref_g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "strided"])
+def test_host_syrk_accumulates_scaled_parts_of_any_layout(dtype: torch.dtype,
+                                                          layout: str) -> None:
+    """Parts in every layout the captures produce (conv patches row-major, Linear inputs
+    column-major, others strided) add up to ``Σ scale_k m_k m_kᵀ``, exactly symmetric."""
+    torch.manual_seed(8)
+    parts = [torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 9, dtype=torch.float64)]
+    scales = [0.5, 2.0]
+
+    def laid_out(m: torch.Tensor) -> torch.Tensor:
+        m = m.to(dtype)
+        if layout == "column-major":
+            return m.T.contiguous().T
+        if layout == "strided":  # every other column of a wider matrix
+            return torch.stack([m, m], dim=2)[:, :, 0]
+        return m
+
+    gram = SymmetricGram(7, dtype, torch.device("cpu"))
+    assert gram.syrk
+    for m, scale in zip(parts, scales, strict=True):
+        gram.add(laid_out(m), scale)
+    out = gram.result()
+    expected = sum(scale * m @ m.T for m, scale in zip(parts, scales, strict=True))
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), expected, **tolerance)
+    assert torch.equal(out, out.T)
+
+
+def test_host_syrk_uses_as_many_blas_threads_as_torch() -> None:
+    from threadpoolctl import ThreadpoolController
+
+    gram = SymmetricGram(3, torch.float32, torch.device("cpu"))
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            gram.add(torch.ones(3, 4), 1.0)
+            openblas = ThreadpoolController().select(internal_api="openblas").info()
+            assert openblas and all(lib["num_threads"] == threads for lib in openblas)
+    finally:
+        torch.set_num_threads(before)
