@@ -49,14 +49,9 @@ WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def activation_vector(helper: LayerHelper, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``ā``: the mean over all rows of a captured layer input (bias entry 1 appended).
-
-    For Conv2d this is each example's spatial mean of its im2col patches, then the batch mean
-    (all examples have the same number of locations, so it is the mean over all rows). Rows are
-    affine in each example's input, so the batch mean is taken first: the im2col rows of one
-    averaged example, not of the whole batch, are materialised.
-    """
-    return helper.a_rows(x.to(dtype).mean(dim=0, keepdim=True)).rows.mean(dim=(0, 1))
+    """``ā``: the mean over all rows of a captured layer input (bias entry 1 appended), in
+    ``dtype``; see :meth:`~core.layers.LayerHelper.mean_a_row`."""
+    return helper.mean_a_row(x, dtype)
 
 
 def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
