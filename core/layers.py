@@ -128,6 +128,11 @@ class LayerHelper:
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
+    def grad_tensors(self) -> list[Tensor]:
+        """The current ``.grad`` of the weight and (if any) the bias, those that exist."""
+        params = (self.weight, self.module.bias) if self.has_bias else (self.weight,)
+        return [p.grad for p in params if p.grad is not None]  # type: ignore[union-attr]
+
     def set_grad(self, matrix: Tensor, scale: Tensor | float | None = None) -> None:
         """Write a ``(g_dim, a_dim)`` matrix (times ``scale``, if given) into ``.grad`` of
         weight and bias.
