@@ -35,22 +35,28 @@ from torch import Tensor
 
 from core.config import check_schedulable
 from core.hyper import Schedulable
-from core.inverse import kl_clip_factor
+from core.inverse import kl_clip_scale
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner, nbytes
 
 
-def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
+def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float,
+                     norm_product: Tensor | None = None) -> Tensor:
     """``(ā āᵀ ⊗ ḡ ḡᵀ + λI)⁻¹ vec ∇W̄`` as a ``(g_dim, a_dim)`` matrix, by Sherman–Morrison.
+
+    One matrix-vector product and one ``addr`` pass read ``∇W̄``; the rest is vector work.
 
     Args:
         grad: ``∇W̄``, ``(g_dim, a_dim)``.
         a: ``ā``, ``(a_dim,)``.
         g: ``ḡ``, ``(g_dim,)``.
         damping: ``λ`` > 0.
+        norm_product: ``‖ā‖² ‖ḡ‖²`` if already known (it changes only when the vectors do).
     """
-    coeff = (g @ grad @ a) / (damping + (a @ a) * (g @ g))
-    return torch.addr(grad, g * (-coeff / damping), a, beta=1.0 / damping)
+    if norm_product is None:
+        norm_product = (a @ a) * (g @ g)
+    coeff = torch.dot(g, torch.mv(grad, a)) / (norm_product + damping)
+    return torch.addr(grad, g * coeff, a, beta=1.0 / damping, alpha=-1.0 / damping)
 
 
 @dataclass(kw_only=True)
@@ -90,16 +96,24 @@ class EvaLayer(Rank1Layer):
 
     per_example: ClassVar[bool] = False
 
+    #: ``‖ā‖² ‖ḡ‖²`` of the running averages, refreshed whenever they change.
+    norm_product: Tensor | None = None
+
     def update(self, a: Tensor, g: Tensor, decay: float) -> None:
         """Blend the rank-averaged vectors into the running averages."""
         self.a.update(a, decay)
         self.g.update(g, decay)
+        self._refresh_norm_product()
+
+    def _refresh_norm_product(self) -> None:
+        a, g = self.a.value, self.g.value
+        self.norm_product = None if a is None or g is None else (a @ a) * (g @ g)
 
     def precondition(self, grad: Tensor, damping: float) -> Tensor | None:
         """Eva's ``P``, or None before the first update."""
         if self.a.value is None or self.g.value is None:
             return None
-        return eva_precondition(grad, self.a.value, self.g.value, damping)
+        return eva_precondition(grad, self.a.value, self.g.value, damping, self.norm_product)
 
     def memory_usage(self) -> dict[str, int]:
         return {"vectors": nbytes(self.a.value, self.g.value)}
@@ -116,6 +130,7 @@ class EvaLayer(Rank1Layer):
                                  f"{tuple(value.shape)}, this layer needs {(dim,)}")
         self.a.value, self.g.value = (None if state[key] is None else state[key].to(self.device)
                                       for key in ("a", "g"))
+        self._refresh_norm_product()
 
 
 class EvaPreconditioner(Rank1Preconditioner):
@@ -141,6 +156,8 @@ class EvaPreconditioner(Rank1Preconditioner):
     config: EvaConfig
     layers: list[EvaLayer]
     last_kl_scale: float = 1.0
+    #: ``Σ P ⊙ ∇W̄`` of each layer written in this step, for :meth:`_scale`.
+    _kl_terms: list[Tensor]
 
     def _make_layer(self, name: str, helper: LayerHelper) -> EvaLayer:
         return EvaLayer(name, helper, dtype=self.dtype, grad_multiplier=self._grad_multiplier)
@@ -151,21 +168,35 @@ class EvaPreconditioner(Rank1Preconditioner):
     def _update_layer(self, layer: EvaLayer, a: Tensor, g: Tensor) -> None:
         layer.update(a, g, self._hyper("factor_decay", low=0.0, high=1.0, high_inclusive=False))
 
-    def _precondition(self, layer: EvaLayer, grad: Tensor) -> Tensor | None:
-        return layer.precondition(grad, self._damping())
+    def _precondition(self, grads: list[tuple[EvaLayer, Tensor]]) -> list[EvaLayer]:
+        """Write each layer's ``P`` into ``.grad``, and keep ``Σ P ⊙ ∇W̄`` of each for the KL
+        clip, taken while both matrices are still in cache."""
+        damping = self._damping()
+        clipping = self.config.kl_clip is not None
+        written = []
+        self._kl_terms = []
+        for layer, grad in grads:
+            p = layer.precondition(grad, damping)
+            if p is None:
+                continue
+            if clipping:
+                self._kl_terms.append(torch.dot(p.reshape(-1), grad.reshape(-1)))
+            layer.helper.set_grad(p)  # P is ours: a view of it may become .grad
+            written.append(layer)
+        return written
 
-    def _scale_and_write(self, grads: dict[str, Tensor | None],
-                         preconditioned: dict[str, Tensor]) -> None:
-        """KL-clip all layers' ``P`` together and write them into ``.grad``."""
+    def _scale(self, written: list[EvaLayer]) -> None:
+        """KL-clip all written layers together: one scale from ``Σ P ⊙ ∇W̄`` (summed in model
+        order, so every rank gets the same bits), multiplied into their ``.grad``."""
+        terms, self._kl_terms = self._kl_terms, []
         scale = 1.0
-        if self.config.kl_clip is not None and preconditioned:
-            scale = kl_clip_factor(grads, preconditioned, self._hyper("lr", low=0.0),
-                                   self._hyper("kl_clip", low=0.0, low_inclusive=False))
+        if terms:
+            scale = kl_clip_scale(float(torch.stack(terms).sum()), self._hyper("lr", low=0.0),
+                                  self._hyper("kl_clip", low=0.0, low_inclusive=False))
         self.last_kl_scale = scale
-        for layer in self.layers:
-            p = preconditioned.get(layer.name)
-            if p is not None:  # P is ours: scaled in place or while being copied
-                layer.helper.set_grad(p, scale if scale != 1.0 else None)
+        if scale != 1.0:
+            torch._foreach_mul_([t for layer in written for t in layer.helper.grad_tensors()],
+                                scale)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, KL-clip scale and damping."""

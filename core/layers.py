@@ -97,6 +97,15 @@ class LayerHelper:
         """Output-gradient rows of a captured output gradient."""
         raise NotImplementedError
 
+    def mean_a_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """The mean input row ``ā`` over all rows of a captured input (bias entry appended).
+
+        Rows are affine in each example's input and every example has the same number of
+        rows, so the batch mean is taken first: the rows of one averaged example, not of the
+        whole batch, are materialised (for Conv2d, the im2col patches).
+        """
+        return self.a_rows(x.to(dtype).mean(dim=0, keepdim=True)).rows.mean(dim=(0, 1))
+
     def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         """Batch slices of a captured input whose :meth:`a_rows` are built one at a time
         (the whole input when its rows are a view of it)."""
@@ -118,6 +127,11 @@ class LayerHelper:
                 bias_grad = torch.zeros_like(self.module.bias)  # type: ignore[arg-type]
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
+
+    def grad_tensors(self) -> list[Tensor]:
+        """The current ``.grad`` of the weight and (if any) the bias, those that exist."""
+        params = (self.weight, self.module.bias) if self.has_bias else (self.weight,)
+        return [p.grad for p in params if p.grad is not None]  # type: ignore[union-attr]
 
     def set_grad(self, matrix: Tensor, scale: Tensor | float | None = None) -> None:
         """Write a ``(g_dim, a_dim)`` matrix (times ``scale``, if given) into ``.grad`` of
@@ -172,6 +186,12 @@ class LinearHelper(LayerHelper):
 
     def g_rows(self, gy: Tensor) -> Rows:
         return Rows(gy.reshape(gy.shape[0], -1, gy.shape[-1]), spatial=False)
+
+    def mean_a_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``ā`` in one reduction over all rows of the input (its rows are a view of it), the
+        bias entry appended to the mean: no batch-mean intermediate, no copy of the rows."""
+        mean = x.reshape(-1, x.shape[-1]).mean(dim=0, dtype=dtype)
+        return self._append_bias(mean)
 
     def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self.has_bias:

@@ -348,18 +348,12 @@ class MKORPreconditioner(Rank1Preconditioner):
         layer.update(a, g, gamma=self._stat_decay(), rule=cfg.update_rule,
                      epsilon=cfg.epsilon, zeta=cfg.zeta)
 
-    def _precondition(self, layer: MKORLayer, grad: Tensor) -> Tensor:
-        return layer.precondition(grad)
-
-    def _scale_and_write(self, grads: dict[str, Tensor | None],
-                         preconditioned: dict[str, Tensor]) -> None:
-        """Rescale each ``P`` to its gradient's norm (:func:`rescale_to_gradient`) on its way
-        into ``.grad``: ``P`` is ours, so it is scaled in place or while being copied."""
-        for layer in self.layers:
-            p = preconditioned.get(layer.name)
-            grad = grads[layer.name]
-            if p is None or grad is None:
-                continue
+    def _precondition(self, grads: list[tuple[MKORLayer, Tensor]]) -> list[MKORLayer]:
+        """Write each layer's ``P``, rescaled to its gradient's norm, into ``.grad`` while ``P``
+        and ``∇W̄`` are still in cache (:func:`rescale_to_gradient`; ``P`` is ours, so it is
+        scaled in place or while being copied)."""
+        for layer, grad in grads:
+            p = layer.precondition(grad)
             if not self.config.rescale:
                 layer.helper.set_grad(p)
                 continue
@@ -367,7 +361,8 @@ class MKORPreconditioner(Rank1Preconditioner):
             if not bool(p_norm > 0):
                 layer.helper.set_grad(grad)
                 continue
-            layer.helper.set_grad(p, torch.linalg.vector_norm(grad.to(p.dtype)) / p_norm)
+            layer.helper.set_grad(p, torch.linalg.vector_norm(grad) / p_norm)
+        return [layer for layer, _ in grads]
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, stabiliser firings and update failures."""

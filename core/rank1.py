@@ -7,7 +7,8 @@ computes those vectors from captured tensors (through the per-layer-type helpers
 vectors, and runs the step as timed stages:
 
 capture (hooks) → statistics → all-reduce (``factor_comm``) → per-layer update (``inversion``)
-→ precondition → scale and write back.
+→ precondition and write back into ``.grad``, layer by layer → a scale across layers (Eva's
+KL clip).
 
 Subclasses (:class:`core.mkor.MKORPreconditioner`, :class:`core.eva.EvaPreconditioner`) supply the
 per-layer state, what an update does with the averaged vectors, how a gradient is preconditioned
@@ -49,14 +50,9 @@ WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def activation_vector(helper: LayerHelper, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``ā``: the mean over all rows of a captured layer input (bias entry 1 appended).
-
-    For Conv2d this is each example's spatial mean of its im2col patches, then the batch mean
-    (all examples have the same number of locations, so it is the mean over all rows). Rows are
-    affine in each example's input, so the batch mean is taken first: the im2col rows of one
-    averaged example, not of the whole batch, are materialised.
-    """
-    return helper.a_rows(x.to(dtype).mean(dim=0, keepdim=True)).rows.mean(dim=(0, 1))
+    """``ā``: the mean over all rows of a captured layer input (bias entry 1 appended), in
+    ``dtype``; see :meth:`~core.layers.LayerHelper.mean_a_row`."""
+    return helper.mean_a_row(x, dtype)
 
 
 def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
@@ -180,7 +176,7 @@ class Rank1Preconditioner:
 
     Subclasses set :attr:`config_type`, :attr:`interval_field` (the config field giving the
     update interval) and implement :meth:`_make_layer`, :meth:`_update_layer`,
-    :meth:`_precondition` and :meth:`_scale_and_write`.
+    :meth:`_precondition` (and :meth:`_scale` when the scale spans layers).
 
     Args:
         model: The model (or its DDP wrapper). Gradients must already be averaged across ranks
@@ -209,6 +205,7 @@ class Rank1Preconditioner:
         self.steps = 0
         self.skipped_overflow_steps = 0
         self._loss_scale_cache: float | None = None
+        self._slice_owner: Tensor | None = None  # layer index of each entry of the vectors
         self.communicator = communicator or Communicator.from_torch()
 
         threshold = self.config.vocab_size_threshold
@@ -276,24 +273,33 @@ class Rank1Preconditioner:
             with self.timer.stage("factor_comm"):
                 vector = self._communicate(vector)
             with self.timer.stage("inversion"):
-                offset = 0
-                for layer in self.layers:
-                    a = vector[offset:offset + layer.a_dim]
-                    g = vector[offset + layer.a_dim:offset + layer.a_dim + layer.g_dim]
-                    offset += layer.a_dim + layer.g_dim
-                    if bool(a.any()) or bool(g.any()):
-                        self._update_layer(layer, a, g)
-        preconditioned: dict[str, Tensor] = {}
+                self._update_captured(vector)
         with self.timer.stage("precondition"):
-            for layer in self.layers:
-                grad = grads[layer.name]
-                if grad is not None:
-                    p = self._precondition(layer, grad.to(self.dtype))
-                    if p is not None:
-                        preconditioned[layer.name] = p
+            written = self._precondition(
+                [(layer, grad.to(self.dtype)) for layer in self.layers
+                 if (grad := grads[layer.name]) is not None])
         with self.timer.stage("scale"):
-            self._scale_and_write(grads, preconditioned)
+            self._scale(written)
         self._end_step()
+
+    def _update_captured(self, vector: Tensor) -> None:
+        """Update every layer from its slices ``ā``, ``ḡ`` of the rank-averaged ``vector``.
+
+        Layers whose two slices are all zeros (not captured on any rank) are left as they are;
+        which those are is read with one reduction and one sync for all layers.
+        """
+        sizes = [dim for layer in self.layers for dim in (layer.a_dim, layer.g_dim)]
+        owner = self._slice_owner
+        if owner is None or owner.device != vector.device:
+            owner = torch.arange(len(sizes), device=vector.device).repeat_interleave(
+                torch.tensor(sizes, device=vector.device)) // 2
+            self._slice_owner = owner
+        magnitude = torch.zeros(len(self.layers), dtype=vector.dtype, device=vector.device)
+        captured = magnitude.index_add_(0, owner, vector.abs()).ne(0).tolist()
+        slices = vector.split(sizes)
+        for i, layer in enumerate(self.layers):
+            if captured[i]:
+                self._update_layer(layer, slices[2 * i], slices[2 * i + 1])
 
     def _communicate(self, vector: Tensor) -> Tensor:
         """Average the concatenated vectors of all layers across ranks, in the wire dtype.
@@ -316,14 +322,16 @@ class Rank1Preconditioner:
         """Consume the rank-averaged vectors ``ā``, ``ḡ`` of ``layer`` on an update step."""
         raise NotImplementedError
 
-    def _precondition(self, layer: Any, grad: Tensor) -> Tensor | None:
-        """The preconditioned gradient matrix of ``layer``, or None to keep it raw."""
+    def _precondition(self, grads: list[tuple[Any, Tensor]]) -> list[Any]:
+        """Precondition each ``(layer, ∇W̄)`` and write the result into the layer's ``.grad``,
+        each layer right after its product, while its matrices are still in cache (with the
+        method's per-layer scale, and whatever the step-wide scale needs of it). Returns the
+        layers written; the others keep their raw gradients."""
         raise NotImplementedError
 
-    def _scale_and_write(self, grads: dict[str, Tensor | None],
-                         preconditioned: dict[str, Tensor]) -> None:
-        """Scale the preconditioned matrices and write them into ``.grad``."""
-        raise NotImplementedError
+    def _scale(self, written: list[Any]) -> None:
+        """Scale the written ``.grad`` of all ``written`` layers together (Eva's KL clip);
+        nothing by default."""
 
     def _make_layer(self, name: str, helper: LayerHelper) -> Rank1Layer:
         raise NotImplementedError

@@ -1,0 +1,103 @@
+"""The rank-1 step on several layers at once: layers of different shapes, with and without a
+bias, and a layer that was not called (not captured) on the update step, against per-layer
+references in fp64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from core import EvaPreconditioner, MKORPreconditioner
+from core.eva import eva_precondition
+from core.layers import helper_for
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+class Branches(nn.Module):
+    """Linear layers of three shapes, one without a bias, and one only called when asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 6)
+        self.second = nn.Linear(6, 6, bias=False)
+        self.third = nn.Linear(6, 3)
+        self.spare = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, spare: bool) -> torch.Tensor:
+        h = self.second(torch.tanh(self.first(x)))
+        out = self.third(h)
+        return out + self.spare(h) if spare else out
+
+
+def _backward(model: Branches, spare: bool, seed: int) -> dict[str, torch.Tensor]:
+    """One backward pass; returns each layer's raw gradient matrix ``[∇W | ∇b]``."""
+    gen = torch.Generator().manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(5, 7, 4, generator=gen, dtype=F64)
+    (model(x, spare).sin() ** 2).mean().backward()
+    return {name: helper_for(module).grad_matrix().clone()  # type: ignore[union-attr]
+            for name, module in model.named_children() if module.weight.grad is not None}
+
+
+def _written(model: Branches, name: str) -> torch.Tensor:
+    return helper_for(getattr(model, name)).grad_matrix()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("kl_clip", [None, 1e-6])
+def test_eva_writes_each_layer_as_its_closed_form_with_one_kl_scale(kl_clip: float | None
+                                                                     ) -> None:
+    torch.manual_seed(0)
+    model = Branches().to(F64)
+    damping, lr = 0.05, 0.3
+    eva = EvaPreconditioner(model, dtype="float64", damping=damping, kl_clip=kl_clip, lr=lr,
+                            factor_decay=0.5)
+    _backward(model, spare=False, seed=1)
+    with pytest.warns(UserWarning, match="spare: no statistics"):
+        eva.step()  # spare was not called: it is not updated
+    assert eva.layers[3].a.value is None
+    raw = _backward(model, spare=True, seed=2)
+    eva.step()
+    expected = {layer.name: eva_precondition(raw[layer.name], layer.a.value, layer.g.value,
+                                             damping) for layer in eva.layers}
+    scale = 1.0
+    if kl_clip is not None:
+        products = sum((p * raw[name]).sum().item() for name, p in expected.items())
+        scale = min(1.0, math.sqrt(kl_clip / abs(lr**2 * products)))
+        assert scale < 1.0
+    assert eva.last_kl_scale == pytest.approx(scale, rel=1e-12)
+    for name, p in expected.items():
+        torch.testing.assert_close(_written(model, name), scale * p, rtol=1e-12, atol=1e-14)
+
+
+def test_mkor_rescales_each_layer_and_updates_only_captured_layers() -> None:
+    torch.manual_seed(0)
+    model = Branches().to(F64)
+    mkor = MKORPreconditioner(model, dtype="float64", inv_update_steps=1, stat_decay=0.8)
+    _backward(model, spare=False, seed=1)
+    with pytest.warns(UserWarning, match="spare: no statistics"):
+        mkor.step()
+    spare = mkor.layers[3]
+    assert spare.a_vec is None
+    torch.testing.assert_close(spare.a_inv, torch.eye(7, dtype=F64), rtol=0, atol=0)
+    raw = _backward(model, spare=True, seed=2)
+    mkor.step()
+    for layer in mkor.layers:
+        p = layer.g_inv @ raw[layer.name] @ layer.a_inv
+        expected = p * raw[layer.name].norm() / p.norm()
+        torch.testing.assert_close(_written(model, layer.name.split(".")[-1]), expected,
+                                   rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(6, 4), (2, 5, 4)])
+def test_linear_mean_row_equals_the_mean_of_its_rows(bias: bool, shape: tuple[int, ...]) -> None:
+    helper = helper_for(nn.Linear(4, 3, bias=bias))
+    x = torch.randn(*shape, dtype=torch.float32)
+    rows = helper.a_rows(x.to(F64)).rows  # type: ignore[union-attr]
+    torch.testing.assert_close(helper.mean_a_row(x, F64),  # type: ignore[union-attr]
+                               rows.mean(dim=(0, 1)), rtol=1e-15, atol=1e-15)
