@@ -34,7 +34,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the allowed values."""
 
     def __init__(self, field_name: str, value: Any, allowed: str) -> None:
-        super().__init__(f"invalid {field_name}={value!r}: expected {allowed}")
+        # A name typed by a user may hold a line break: quoted, the message stays one line.
+        shown = field_name if str(field_name).isprintable() else repr(field_name)
+        super().__init__(f"invalid {shown}={value!r}: expected {allowed}")
         self.field_name = field_name
         self.value = value
         self.allowed = allowed

@@ -968,7 +968,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="KAISA's step every 10 over SGD's, measured here with its public "
                              "code by scripts/measure_peer_kaisa.py (docs/peers.md; the issue "
                              "author gave 12.5)")
-    parser.add_argument("--peer-kaisa-bf16", type=float, default=None,
+    parser.add_argument("--peer-kaisa-bf16", type=float, default=2.53,
                         help="the same with KAISA's inverses in bf16 (inv_dtype), measured by "
                              "scripts/measure_peer_kaisa.py --inv-dtype bfloat16")
     parser.add_argument("--peer-dpkfac", type=float, default=10.9)
@@ -993,7 +993,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     methods = [m for m in METHODS if m.name in args.methods]
     peers = Peers({"KAISA": args.peer_kaisa, "DP-KFAC": args.peer_dpkfac,
                    "MKOR": args.peer_mkor}, args.peer_bert_dpkfac, args.peer_bert_mkor,
-                  {} if args.peer_kaisa_bf16 is None else {"KAISA": args.peer_kaisa_bf16})
+                  {"KAISA": args.peer_kaisa_bf16})
     load = {"start": os.getloadavg()}
     started = time.perf_counter()
     sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)

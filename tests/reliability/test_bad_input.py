@@ -86,7 +86,7 @@ def assert_clear_error(outcome: str, stderr: str, names: set[str]) -> None:
     if message.startswith("argument "):  # argparse's own checks of typed options
         return
     assert message.startswith("invalid ") and ": expected " in message, message
-    named = message.removeprefix("invalid ").split("=", 1)[0]
+    named = message.removeprefix("invalid ").split("=", 1)[0].strip("'")  # quoted if unprintable
     top = named.split(".", 1)[0]  # a nested field is named with its parent: warm_start.steps
     assert top in names or named.startswith("--") or named == "config", message
 
@@ -186,6 +186,15 @@ def test_mkor_command_line_parses_or_exits_with_one_line_naming_the_field(
     outcome, stderr = invoke(mkor_bert.main, argv, stop)
     if outcome != "parsed":
         assert_clear_error(outcome, stderr, MKOR_FIELDS | set(MKOR_KEYS))
+
+
+def test_a_field_name_with_a_line_break_is_quoted_in_a_one_line_error() -> None:
+    """Found by the fuzz test above: a JSON key holding a newline split the message."""
+    stop = mock.patch.object(mkor_bert, "init_distributed", side_effect=Parsed)
+    outcome, stderr = invoke(mkor_bert.main, ["--config", "tiny", "--set",
+                                              'warm_start={"\\n": null}'], stop)
+    assert_clear_error(outcome, stderr, MKOR_FIELDS)
+    assert "invalid 'warm_start.\\n'=None" in stderr
 
 
 # ------------------------------------------------------------------------------------------------
