@@ -109,3 +109,15 @@ def test_a_peer_target_below_the_work_bound_is_reported_infeasible_at_that_preci
     assert fast["measured"] == [pytest.approx(2.7 / 1.6)] and fast["met"] is True
     without = bench.targets([fp32, bf16], bench.Peers({"KAISA": 3.0}, 1.26, 1.19), 128.0)
     assert not any("bf16 every 10" in t["target"] for t in without)
+
+
+def test_rates_keep_the_faster_of_two_measurements_per_kind_and_size() -> None:
+    slow = bench.Rates({256: 1.0, 512: 5.0}, {256: 2.0}, {256: 3.0}, {256: 4.0}, {256: 5.0},
+                       bandwidth=9.0, gemm_bf16={256: 6.0})
+    fast = bench.Rates({256: 2.0, 512: 4.0}, {256: 1.0}, {256: 3.5}, {256: 4.0}, {256: 7.0},
+                       bandwidth=8.0, gemm_bf16={256: 9.0})
+    best = slow.fastest(fast)
+    assert best.gemm == {256: 2.0, 512: 5.0} and best.eigh == {256: 2.0}
+    assert best.cholesky == {256: 3.5} and best.trsm == {256: 7.0}
+    assert best.bandwidth == 9.0 and best.gemm_bf16 == {256: 9.0}
+    assert "| bf16 GEMM GFLOP/s |" in bench.rates_table(best)
