@@ -53,10 +53,18 @@ def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float,
         damping: ``λ`` > 0.
         norm_product: ``‖ā‖² ‖ḡ‖²`` if already known (it changes only when the vectors do).
     """
+    _, coeff = eva_coefficient(grad, a, g, damping, norm_product)
+    return torch.addr(grad, g * coeff, a, beta=1.0 / damping, alpha=-1.0 / damping)
+
+
+def eva_coefficient(grad: Tensor, a: Tensor, g: Tensor, damping: float,
+                    norm_product: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``s = ḡᵀ ∇W̄ ā`` and the Sherman–Morrison coefficient ``c = s / (‖ā‖² ‖ḡ‖² + λ)``, so
+    that ``P = (∇W̄ − c·ḡ āᵀ) / λ`` and ``Σ P ⊙ ∇W̄ = (‖∇W̄‖² − c·s) / λ``."""
     if norm_product is None:
         norm_product = (a @ a) * (g @ g)
-    coeff = torch.dot(g, torch.mv(grad, a)) / (norm_product + damping)
-    return torch.addr(grad, g * coeff, a, beta=1.0 / damping, alpha=-1.0 / damping)
+    s = torch.dot(g, torch.mv(grad, a))
+    return s, s / (norm_product + damping)
 
 
 @dataclass(kw_only=True)
@@ -109,11 +117,21 @@ class EvaLayer(Rank1Layer):
         a, g = self.a.value, self.g.value
         self.norm_product = None if a is None or g is None else (a @ a) * (g @ g)
 
-    def precondition(self, grad: Tensor, damping: float) -> Tensor | None:
-        """Eva's ``P``, or None before the first update."""
-        if self.a.value is None or self.g.value is None:
+    def precondition_into_grad(self, grad: Tensor, damping: float, *, kl_term: bool
+                               ) -> Tensor | None:
+        """Write Eva's ``P`` of ``grad`` into the layer's ``.grad`` without forming it (one
+        pass; ``grad`` may be a view of the weight's gradient). Returns ``Σ P ⊙ ∇W̄`` in closed
+        form if ``kl_term`` (a read of ``grad`` instead of a second product with ``P``), else
+        a zero; None, writing nothing, before the first update."""
+        a, g = self.a.value, self.g.value
+        if a is None or g is None:
             return None
-        return eva_precondition(grad, self.a.value, self.g.value, damping, self.norm_product)
+        s, coeff = eva_coefficient(grad, a, g, damping, self.norm_product)
+        term = ((torch.linalg.vector_norm(grad).square() - coeff * s) / damping if kl_term
+                else s.new_zeros(()))
+        self.helper.set_grad_plus_outer(grad, g * coeff, a, beta=1.0 / damping,
+                                        alpha=-1.0 / damping)
+        return term
 
     def memory_usage(self) -> dict[str, int]:
         return {"vectors": nbytes(self.a.value, self.g.value)}
@@ -170,18 +188,17 @@ class EvaPreconditioner(Rank1Preconditioner):
 
     def _precondition(self, grads: list[tuple[EvaLayer, Tensor]]) -> list[EvaLayer]:
         """Write each layer's ``P`` into ``.grad``, and keep ``Σ P ⊙ ∇W̄`` of each for the KL
-        clip, taken while both matrices are still in cache."""
+        clip."""
         damping = self._damping()
         clipping = self.config.kl_clip is not None
         written = []
         self._kl_terms = []
         for layer, grad in grads:
-            p = layer.precondition(grad, damping)
-            if p is None:
+            term = layer.precondition_into_grad(grad, damping, kl_term=clipping)
+            if term is None:
                 continue
             if clipping:
-                self._kl_terms.append(torch.dot(p.reshape(-1), grad.reshape(-1)))
-            layer.helper.set_grad(p)  # P is ours: a view of it may become .grad
+                self._kl_terms.append(term)
             written.append(layer)
         return written
 

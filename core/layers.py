@@ -152,6 +152,25 @@ class LayerHelper:
         _write_grad(weight, matrix[:, :w_cols], scale)
         _write_grad(self.module.bias, matrix[:, w_cols], scale)  # type: ignore[arg-type]
 
+    def set_grad_plus_outer(self, matrix: Tensor, u: Tensor, v: Tensor, *, beta: float,
+                            alpha: float) -> None:
+        """Write ``beta·matrix + alpha·u vᵀ`` (``(g_dim, a_dim)``) into ``.grad`` of weight and
+        bias without forming it: one pass reading ``matrix`` and writing the gradients where
+        they are, when they are contiguous and of ``matrix``'s dtype (``matrix`` may then be a
+        view of the weight's own gradient); otherwise through :meth:`set_grad`."""
+        weight, bias = self.weight, self.module.bias if self.has_bias else None
+        in_place = [weight.grad] + ([] if bias is None else [bias.grad])
+        if not all(g is not None and g.is_contiguous() and g.dtype == matrix.dtype
+                   for g in in_place):
+            self.set_grad(torch.addr(matrix, u, v, beta=beta, alpha=alpha))
+            return
+        w_cols = weight[0].numel()
+        torch.addr(matrix[:, :w_cols], u, v[:w_cols], beta=beta, alpha=alpha,
+                   out=weight.grad.view(self.g_dim, w_cols))  # type: ignore[union-attr]
+        if bias is not None:
+            column = torch.addcmul(matrix[:, w_cols] * beta, u, v[w_cols:], value=alpha)
+            bias.grad.copy_(column.reshape(bias.shape))  # type: ignore[union-attr]
+
     def _append_bias(self, rows: Tensor) -> Tensor:
         if not self.has_bias:
             return rows

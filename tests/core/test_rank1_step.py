@@ -101,3 +101,28 @@ def test_linear_mean_row_equals_the_mean_of_its_rows(bias: bool, shape: tuple[in
     rows = helper.a_rows(x.to(F64)).rows  # type: ignore[union-attr]
     torch.testing.assert_close(helper.mean_a_row(x, F64),  # type: ignore[union-attr]
                                rows.mean(dim=(0, 1)), rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.parametrize("module", [nn.Conv2d(2, 3, 2), nn.Linear(4, 3, bias=False),
+                                    nn.Linear(4, 3)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_grad_plus_outer_is_written_in_place_or_through_set_grad(module: nn.Module,
+                                                                 layout: str) -> None:
+    """``β·M + α·u vᵀ`` lands in ``.grad``: in place when it is contiguous (with ``M`` a view
+    of the weight's own gradient when there is no bias), else through ``set_grad``."""
+    torch.manual_seed(3)
+    module = module.to(F64)
+    helper = helper_for(module)
+    for p in module.parameters():
+        p.grad = torch.randn_like(p)
+        if layout == "strided":  # a gradient DDP or a hook left non-contiguous
+            p.grad = torch.randn(*p.shape, 2, dtype=F64)[..., 0]
+    matrix = helper.grad_matrix()
+    before = matrix.clone()
+    weight_grad = module.weight.grad
+    u = torch.randn(helper.g_dim, dtype=F64)
+    v = torch.randn(helper.a_dim, dtype=F64)
+    helper.set_grad_plus_outer(matrix, u, v, beta=0.5, alpha=-2.0)
+    torch.testing.assert_close(helper.grad_matrix(), 0.5 * before - 2.0 * torch.outer(u, v),
+                               rtol=1e-14, atol=1e-14)
+    assert (module.weight.grad is weight_grad) == (layout == "contiguous")
