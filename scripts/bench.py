@@ -8,8 +8,9 @@ One run measures, for each workload (model, batch, first-order base optimizer):
 * the per-stage breakdown (capture, factors, inversion, precondition, communication, scale) from
   the preconditioner's own stage timer;
 * the second-order work against its lower bound: its FLOP count (or, for memory-bound stages, its
-  bytes) at this machine's throughput for the same kernel kind (GEMM, eigh, Cholesky inverse,
-  memory copy), which the run measures first;
+  bytes) at this machine's throughput for the same kernel kind (fp32 or bf16 GEMM, eigh,
+  Cholesky inverse, triangular solve, memory copy), which the run measures before and after
+  each workload (the faster kept);
 * the factor-GEMM and inversion throughput as a fraction of the measured matmul throughput;
 * peak memory over the first-order run, against the factor and inverse bytes.
 
@@ -31,7 +32,7 @@ never runs their code. Run with one thread per process (ENVIRONMENT.md §1.6); t
 thread settings and the load average, because other processes share the machine.
 
     python scripts/bench.py --quick                      # tiny models, seconds (what the test runs)
-    python scripts/bench.py --json scripts/results/bench_cpu.json   # the full run (~15 minutes)
+    python scripts/bench.py --json scripts/results/bench_cpu.json   # the full run (~20 minutes)
     python scripts/bench.py --device cuda --json scripts/results/bench_cuda.json
 """
 
