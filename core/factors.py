@@ -25,17 +25,17 @@ GRAM_BLOCK = 256
 #: (docs/benchmarks.md). Other devices multiply blocks.
 HOST_SYRK = True
 _SYRK = {torch.float32: blas.ssyrk, torch.float64: blas.dsyrk}
-_openblas = ThreadpoolController().select(internal_api="openblas")
 _openblas_threads = 0
 
 
 def _match_blas_threads() -> None:
     """Give SciPy's OpenBLAS as many threads as torch has (``torch.set_num_threads``), so a
-    process that pins torch to one thread is not oversubscribed by the ``syrk``."""
+    process that pins torch to one thread is not oversubscribed by the ``syrk``. The loaded
+    libraries are looked up only when the count changes (first use included)."""
     global _openblas_threads
     threads = torch.get_num_threads()
     if threads != _openblas_threads:
-        _openblas.limit(limits=threads)
+        ThreadpoolController().select(internal_api="openblas").limit(limits=threads)
         _openblas_threads = threads
 
 

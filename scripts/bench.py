@@ -50,7 +50,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -212,13 +212,13 @@ class Rates:
 
     def fastest(self, other: Rates) -> Rates:
         """Per kernel kind and size, the higher of two measurements of the same sizes."""
-        def best(mine: dict[int, float], theirs: dict[int, float]) -> dict[int, float]:
-            return {n: max(rate, theirs.get(n, rate)) for n, rate in mine.items()}
+        def best(mine: Any, theirs: Any) -> Any:
+            if isinstance(mine, dict):
+                return {n: max(rate, theirs.get(n, rate)) for n, rate in mine.items()}
+            return max(mine, theirs)
 
-        return Rates(*(best(getattr(self, kind), getattr(other, kind))
-                       for kind in ("gemm", "eigh", "cholesky", "potrf", "trsm")),
-                     bandwidth=max(self.bandwidth, other.bandwidth),
-                     gemm_bf16=best(self.gemm_bf16, other.gemm_bf16))
+        return Rates(**{f.name: best(getattr(self, f.name), getattr(other, f.name))
+                        for f in fields(self)})
 
     @property
     def peak_gemm(self) -> float:
