@@ -36,8 +36,9 @@ from torch import Tensor
 from core.config import check_schedulable
 from core.hyper import Schedulable
 from core.inverse import kl_clip_scale
+from core.layer_base import nbytes, squared_norm
 from core.layers import LayerHelper
-from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner, nbytes
+from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 
 
 def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float,
@@ -127,7 +128,7 @@ class EvaLayer(Rank1Layer):
         if a is None or g is None:
             return None
         s, coeff = eva_coefficient(grad, a, g, damping, self.norm_product)
-        term = ((torch.linalg.vector_norm(grad).square() - coeff * s) / damping if kl_term
+        term = ((squared_norm(grad) - coeff * s) / damping if kl_term
                 else s.new_zeros(()))
         self.helper.set_grad_plus_outer(grad, g * coeff, a, beta=1.0 / damping,
                                         alpha=-1.0 / damping)

@@ -48,8 +48,9 @@ from core.config import (
 )
 from core.hyper import Schedulable
 from core.inverse import extremes
+from core.layer_base import nbytes, squared_norm
 from core.layers import LayerHelper
-from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner, nbytes
+from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 
 UPDATE_RULES = ("exact", "paper", "official")
 INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -155,13 +156,13 @@ def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: f
     return apply_update(inverse, update_terms(inverse, v, gamma, rule, blend))
 
 
-def rescale_to_gradient(p: Tensor, grad: Tensor) -> Tensor:
-    """``(‖∇W̄‖ / ‖P‖) · P``: the update keeps the gradient's norm, so LR schedules keep their
-    meaning. A zero ``P`` gives the raw gradient back."""
-    p_norm = torch.linalg.vector_norm(p)
-    if not bool(p_norm > 0):
-        return grad
-    return p * (torch.linalg.vector_norm(grad) / p_norm)
+def gradient_norm_scale(p: Tensor, grad: Tensor) -> Tensor | None:
+    """``‖∇W̄‖ / ‖P‖``: the factor that gives ``P`` the gradient's norm, so LR schedules keep
+    their meaning; None for a zero ``P`` (the raw gradient is used then)."""
+    p_square = squared_norm(p)
+    if not bool(p_square > 0):
+        return None
+    return torch.sqrt(squared_norm(grad) / p_square)
 
 
 @dataclass(kw_only=True)
@@ -350,18 +351,18 @@ class MKORPreconditioner(Rank1Preconditioner):
 
     def _precondition(self, grads: list[tuple[MKORLayer, Tensor]]) -> list[MKORLayer]:
         """Write each layer's ``P``, rescaled to its gradient's norm, into ``.grad`` while ``P``
-        and ``∇W̄`` are still in cache (:func:`rescale_to_gradient`; ``P`` is ours, so it is
-        scaled in place or while being copied)."""
+        and ``∇W̄`` are still in cache (:func:`gradient_norm_scale`; ``P`` is ours, so it is
+        scaled in place or while being copied); a zero ``P`` leaves the raw gradient."""
         for layer, grad in grads:
             p = layer.precondition(grad)
             if not self.config.rescale:
                 layer.helper.set_grad(p)
                 continue
-            p_norm = torch.linalg.vector_norm(p)
-            if not bool(p_norm > 0):
+            scale = gradient_norm_scale(p, grad)
+            if scale is None:
                 layer.helper.set_grad(grad)
-                continue
-            layer.helper.set_grad(p, torch.linalg.vector_norm(grad) / p_norm)
+            else:
+                layer.helper.set_grad(p, scale)
         return [layer for layer, _ in grads]
 
     def metrics(self) -> dict[str, float]:

@@ -24,7 +24,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import STATE_TYPES, kl_clip_factor, make_state
+from core.inverse import STATE_TYPES, kl_clip_factor, kl_product, make_state
 from core.kfac_layer import KFACLayer
 from core.layer_base import check_saved_layers, finite_gradients
 from core.layers import helper_for
@@ -225,6 +225,10 @@ class KFACPreconditioner:
                     strategy.communicate_inverses(self.layers)
 
         preconditioned: dict[str, Tensor] = {}
+        # The KL clip's products, taken while each P is still in cache, unless communication
+        # may replace or round P afterwards.
+        products: dict[str, Tensor] | None = (
+            {} if cfg.kl_clip is not None and not strategy.moves_gradients else None)
         if self._enabled("precondition"):
             with timer.stage("precondition"):
                 for layer in self.layers:
@@ -232,8 +236,12 @@ class KFACPreconditioner:
                     if grad is None or not strategy.preconditions(layer):
                         continue
                     p = layer.precondition(grad, damping)
-                    if p is not None:  # a bf16 state's product returns to the inverse dtype
-                        preconditioned[layer.name] = p.to(self.inverse_dtype)
+                    if p is None:
+                        continue
+                    # a bf16 state's product returns to the inverse dtype
+                    p = preconditioned[layer.name] = p.to(self.inverse_dtype)
+                    if products is not None:
+                        products[layer.name] = kl_product(p, grad)
         if self._enabled("grad_comm") and self._enabled("precondition"):
             with timer.stage("grad_comm"):
                 with_grad = [layer for layer in self.layers if grads[layer.name] is not None]
@@ -241,24 +249,26 @@ class KFACPreconditioner:
 
         if self._enabled("scale"):
             with timer.stage("scale"):
-                self._clip_and_write(grads, preconditioned)
+                self._clip_and_write(grads, preconditioned, products)
         self._end_step()
 
     def _clip_and_write(self, grads: dict[str, Tensor | None],
-                        preconditioned: dict[str, Tensor]) -> None:
-        """Apply the KL clip over all preconditioned layers and write ``P`` into ``.grad``."""
+                        preconditioned: dict[str, Tensor],
+                        products: dict[str, Tensor] | None) -> None:
+        """Apply the KL clip over all preconditioned layers and write ``P`` into ``.grad``
+        (scaled on the way: one pass over each ``P``)."""
         if not preconditioned:
             self.last_kl_scale = 1.0
             return
         scale = 1.0
         if self.config.kl_clip is not None:
             scale = kl_clip_factor(grads, preconditioned, self._hyper("lr", 0.0),
-                                   self._hyper("kl_clip", 0.0))
+                                   self._hyper("kl_clip", 0.0), products)
         self.last_kl_scale = scale
         for layer in self.layers:
             p = preconditioned.get(layer.name)
             if p is not None:
-                layer.helper.set_grad(p.mul_(scale) if scale != 1.0 else p)
+                layer.helper.set_grad(p, scale if scale != 1.0 else None)
 
     def _end_step(self) -> None:
         self.steps += 1

@@ -46,6 +46,12 @@ class Strategy:
         self.communicator: Communicator | None = None
 
     @property
+    def moves_gradients(self) -> bool:
+        """Whether :meth:`communicate_gradients` may replace or round this rank's
+        preconditioned gradients (then what is computed from them must wait for it)."""
+        return False
+
+    @property
     def factor_ranks(self) -> int:
         """How many ranks' batches each factor pools (1 here and for ``dp-kfac``)."""
         return 1

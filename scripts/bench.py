@@ -55,6 +55,11 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads its thread pools
+# PyTorch backs large CPU tensors with transparent huge pages when this is set before its
+# first allocation. Factors, inverses and products are allocated afresh every update, and
+# faulting a 4608-square factor in 4 KiB pages costs a third of its syrk (docs/benchmarks.md,
+# "Huge pages"). It applies to the first-order base as much. A value the caller set wins.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -942,7 +947,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"), "device": str(device),
+        "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"),
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"), "device": str(device),
     }
     if Path("/proc/cpuinfo").exists():
         for line in Path("/proc/cpuinfo").read_text().splitlines():

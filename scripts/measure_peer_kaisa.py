@@ -43,6 +43,11 @@ from types import ModuleType
 from typing import Any, Protocol
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads its thread pools
+# PyTorch backs large CPU tensors with transparent huge pages when this is set before its
+# first allocation. Factors, inverses and products are allocated afresh every update, and
+# faulting a 4608-square factor in 4 KiB pages costs a third of its syrk (docs/benchmarks.md,
+# "Huge pages"). It applies to the first-order base as much. A value the caller set wins.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 

@@ -207,6 +207,10 @@ class KAISAStrategy(DistributedStrategy):
         self.rows = [tuple(range(r * n_columns, (r + 1) * n_columns)) for r in range(workers)]
         self.row = self.rows[self.rank // n_columns]
 
+    @property
+    def moves_gradients(self) -> bool:
+        return len(self.row) > 1
+
     def worker_groups(self) -> list[tuple[int, ...]]:
         return self.columns
 
@@ -301,6 +305,10 @@ class OsawaStrategy(DistributedStrategy):
     preconditioned gradients all-gathered."""
 
     name = "osawa"
+
+    @property
+    def moves_gradients(self) -> bool:
+        return self.world_size > 1
 
     def _owned(self, layers: list[KFACLayer], rank: int) -> list[KFACLayer]:
         return [layer for layer in layers if self.owner(layer) == rank]

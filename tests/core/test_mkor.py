@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import ConfigError, MKORConfig, MKORPreconditioner
-from core.mkor import rescale_to_gradient, stabiliser_fires, update_inverse
+from core.layer_base import squared_norm
+from core.mkor import gradient_norm_scale, stabiliser_fires, update_inverse
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -76,13 +77,15 @@ def test_stabiliser_blends_towards_identity_above_epsilon_only(rule: str) -> Non
                                update_inverse(blended, v, 0.8, rule), rtol=1e-12, atol=1e-12)
 
 
-def test_rescale_keeps_the_direction_and_takes_the_gradient_norm() -> None:
+def test_rescale_takes_the_gradient_norm() -> None:
     p = torch.tensor([[3.0, 4.0]], dtype=F64)
     grad = torch.tensor([[0.0, 10.0]], dtype=F64)
-    out = rescale_to_gradient(p, grad)
-    torch.testing.assert_close(out, p * 2.0)  # ‖∇W̄‖ / ‖P‖ = 10 / 5
-    zero = torch.zeros_like(p)
-    assert rescale_to_gradient(zero, grad) is grad
+    scale = gradient_norm_scale(p, grad)
+    assert scale is not None
+    torch.testing.assert_close(scale, torch.tensor(2.0, dtype=F64))  # ‖∇W̄‖ / ‖P‖ = 10 / 5
+    assert gradient_norm_scale(torch.zeros_like(p), grad) is None
+    big = torch.randn(70, 33, dtype=torch.float32)
+    torch.testing.assert_close(squared_norm(big), big.double().square().sum().float())
 
 
 # Rank-1 statistics ---------------------------------------------------------------------------

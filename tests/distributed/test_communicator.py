@@ -98,3 +98,21 @@ def test_rank_one_vectors_are_a_one_line_call_and_summarised() -> None:
     assert (totals.collectives, totals.elements, totals.bytes) == (1, 1000, 2000)
     assert "factor_comm" in comm.ledger.format_summary(step=3)
     assert comm.ledger.summary(step=2) == {}
+
+
+def test_which_strategies_move_preconditioned_gradients() -> None:
+    """What the KL clip's early products rely on: only strategies whose ranks receive ``P``
+    from others (or round their own on the wire) say they move gradients."""
+    from core.config import KFACConfig
+    from core.distributed.strategies import make_strategy
+    from core.strategy import Strategy
+
+    expected = {"d-kfac": False, "comm-opt": False, "mem-opt": True, "dp-kfac": True,
+                "osawa": True, "hybrid-opt": True}
+    for name, moves in expected.items():
+        options = {"grad_worker_fraction": 0.5} if name == "hybrid-opt" else {}
+        config = KFACConfig(strategy=name, **options)
+        strategy = make_strategy(config, Communicator.simulated(0, 4))
+        assert strategy.moves_gradients is moves, name
+        assert make_strategy(config, Communicator.simulated(0, 1)).moves_gradients is False
+    assert Strategy().moves_gradients is False
