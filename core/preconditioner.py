@@ -140,7 +140,7 @@ class KFACPreconditioner:
         self.strategy.set_step(0)
         self._capturing = self._factor_update_due(0)
         params = list(model.parameters())
-        self.timer = StageTimer(synchronize_cuda=bool(params) and params[0].is_cuda)
+        self.timer = StageTimer(device_events=bool(params) and params[0].is_cuda)
         self._hooks = [self._register(layer) for layer in self.layers]
 
     # Hooks -----------------------------------------------------------------------------------

@@ -220,7 +220,7 @@ class Rank1Preconditioner:
             warnings.warn(f"{type(self).__name__} found no supported layers (Linear, Conv2d); "
                           "step() leaves every gradient first-order", stacklevel=2)
         params = list(model.parameters())
-        self.timer = StageTimer(synchronize_cuda=bool(params) and params[0].is_cuda)
+        self.timer = StageTimer(device_events=bool(params) and params[0].is_cuda)
         self._capturing = self._update_due(0)
         self._hooks = [self._register(layer) for layer in self.layers]
 

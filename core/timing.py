@@ -1,4 +1,4 @@
-"""Per-stage wall-clock timing of the preconditioner step."""
+"""Per-stage timing of the preconditioner step: host clock, or device events on a GPU."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 
@@ -21,48 +22,118 @@ STAGES = (
 )
 
 
+class DeviceEvent(Protocol):
+    """What :class:`StageTimer` needs of a timing event (``torch.cuda.Event`` has it)."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end: Any) -> float: ...
+
+
+def cuda_timing_event() -> DeviceEvent:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[return-value]
+
+
+#: Closed steps whose device events may stay unread; older ones are read, waiting if need be,
+#: so a run that never reads its times holds a bounded number of events.
+MAX_UNREAD_STEPS = 2
+
+
 class StageTimer:
-    """Accumulates seconds per stage; synchronises CUDA so GPU work is attributed correctly.
+    """Accumulates seconds per stage, on the host clock or, on a GPU, by device events.
+
+    With ``device_events`` each stage is bracketed by two events recorded on the current
+    stream, and nothing waits for the device while a step runs: a step's times are read once
+    its events have completed (at the end of a later step, without waiting, or when
+    :attr:`last` or :attr:`totals` is read, waiting for that step's last event). Synchronising
+    the device at every stage boundary instead would stall the host's kernel launches for the
+    next stage and wait for collectives left running in the background.
 
     Args:
-        synchronize_cuda: Synchronise CUDA at each stage boundary.
-        clock: Seconds now; wall clock by default. A benchmark on a shared CPU may pass
+        device_events: Time stages by device events (on a GPU) instead of the host clock.
+        clock: Host seconds now; wall clock by default. A benchmark on a shared CPU may pass
             ``time.process_time``, which does not count time slices other processes take.
+        event_factory: Makes one timing event (a CUDA event by default; tests pass fakes).
 
     Attributes:
         totals: Seconds per stage since construction (or :meth:`reset`).
         last: Seconds per stage of the last completed step.
     """
 
-    def __init__(self, synchronize_cuda: bool = False,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        self.synchronize_cuda = synchronize_cuda
+    def __init__(self, device_events: bool = False,
+                 clock: Callable[[], float] = time.perf_counter,
+                 event_factory: Callable[[], DeviceEvent] = cuda_timing_event) -> None:
+        self.device_events = device_events
         self.clock = clock
-        self.totals: dict[str, float] = defaultdict(float)
+        self.event_factory = event_factory
+        self._totals: dict[str, float] = defaultdict(float)
+        self._last: dict[str, float] = {}
         self.current: dict[str, float] = defaultdict(float)
-        self.last: dict[str, float] = {}
+        self._open: list[tuple[str, DeviceEvent, DeviceEvent]] = []
+        self._unread: list[list[tuple[str, DeviceEvent, DeviceEvent]]] = []
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Time the enclosed block as part of ``name``."""
-        if self.synchronize_cuda:
-            torch.cuda.synchronize()
-        start = self.clock()
+        if self.device_events:
+            start = self.event_factory()
+            start.record()
+            try:
+                yield
+            finally:
+                end = self.event_factory()
+                end.record()
+                self._open.append((name, start, end))
+            return
+        begin = self.clock()
         try:
             yield
         finally:
-            if self.synchronize_cuda:
-                torch.cuda.synchronize()
-            elapsed = self.clock() - start
+            elapsed = self.clock() - begin
             self.current[name] += elapsed
-            self.totals[name] += elapsed
+            self._totals[name] += elapsed
 
     def end_step(self) -> None:
-        """Close the current step: its per-stage times become :attr:`last`."""
-        self.last = {name: self.current.get(name, 0.0) for name in STAGES}
-        self.current = defaultdict(float)
+        """Close the current step: its per-stage times become :attr:`last` (with device
+        events, once they are read)."""
+        if not self.device_events:
+            self._last = {name: self.current.get(name, 0.0) for name in STAGES}
+            self.current = defaultdict(float)
+            return
+        self._unread.append(self._open)
+        self._open = []
+        while self._unread and (len(self._unread) > MAX_UNREAD_STEPS
+                                or all(end.query() for _, _, end in self._unread[0])):
+            self._read_oldest()
+
+    def _read_oldest(self) -> None:
+        """Fold the oldest unread step's event times into :attr:`last` and :attr:`totals`."""
+        seconds: dict[str, float] = defaultdict(float)
+        for name, start, end in self._unread.pop(0):
+            end.synchronize()
+            seconds[name] += start.elapsed_time(end) / 1e3
+        for name, value in seconds.items():
+            self._totals[name] += value
+        self._last = {name: seconds.get(name, 0.0) for name in STAGES}
+
+    @property
+    def last(self) -> dict[str, float]:
+        while self._unread:
+            self._read_oldest()
+        return self._last
+
+    @property
+    def totals(self) -> dict[str, float]:
+        while self._unread:
+            self._read_oldest()
+        return self._totals
 
     def reset(self) -> None:
-        self.totals = defaultdict(float)
+        self._totals = defaultdict(float)
         self.current = defaultdict(float)
-        self.last = {}
+        self._last = {}
+        self._open, self._unread = [], []

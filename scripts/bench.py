@@ -100,8 +100,8 @@ class Clock:
     """Seconds of a block: process CPU time on the CPU, CUDA events on a GPU.
 
     Attributes:
-        now: The CPU clock (``time.process_time``), or wall time on a GPU, where stage
-            timers synchronise.
+        now: The CPU clock (``time.process_time``), or wall time on a GPU (where stage
+            timers use CUDA events instead).
     """
 
     def __init__(self, device: torch.device) -> None:
