@@ -156,13 +156,13 @@ def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: f
     return apply_update(inverse, update_terms(inverse, v, gamma, rule, blend))
 
 
-def gradient_norm_scale(p: Tensor, grad: Tensor) -> Tensor | None:
+def gradient_norm_scale(p: Tensor, grad: Tensor) -> Tensor:
     """``‖∇W̄‖ / ‖P‖``: the factor that gives ``P`` the gradient's norm, so LR schedules keep
-    their meaning; None for a zero ``P`` (the raw gradient is used then)."""
+    their meaning. A 0-d tensor, computed without waiting for the device (no per-layer sync
+    on a GPU); 0 for a zero ``P``, which the nonsingular inverses give only for a zero
+    gradient, so ``P`` times it is the raw gradient then too."""
     p_square = squared_norm(p)
-    if not bool(p_square > 0):
-        return None
-    return torch.sqrt(squared_norm(grad) / p_square)
+    return torch.where(p_square > 0, torch.sqrt(squared_norm(grad) / p_square), 0.0)
 
 
 @dataclass(kw_only=True)
@@ -352,17 +352,11 @@ class MKORPreconditioner(Rank1Preconditioner):
     def _precondition(self, grads: list[tuple[MKORLayer, Tensor]]) -> list[MKORLayer]:
         """Write each layer's ``P``, rescaled to its gradient's norm, into ``.grad`` while ``P``
         and ``∇W̄`` are still in cache (:func:`gradient_norm_scale`; ``P`` is ours, so it is
-        scaled in place or while being copied); a zero ``P`` leaves the raw gradient."""
+        scaled in place or while being copied)."""
         for layer, grad in grads:
             p = layer.precondition(grad)
-            if not self.config.rescale:
-                layer.helper.set_grad(p)
-                continue
-            scale = gradient_norm_scale(p, grad)
-            if scale is None:
-                layer.helper.set_grad(grad)
-            else:
-                layer.helper.set_grad(p, scale)
+            layer.helper.set_grad(p, gradient_norm_scale(p, grad) if self.config.rescale
+                                  else None)
         return [layer for layer, _ in grads]
 
     def metrics(self) -> dict[str, float]:

@@ -83,7 +83,8 @@ def test_rescale_takes_the_gradient_norm() -> None:
     scale = gradient_norm_scale(p, grad)
     assert scale is not None
     torch.testing.assert_close(scale, torch.tensor(2.0, dtype=F64))  # ‖∇W̄‖ / ‖P‖ = 10 / 5
-    assert gradient_norm_scale(torch.zeros_like(p), grad) is None
+    zero = gradient_norm_scale(torch.zeros_like(p), torch.zeros_like(grad))
+    assert zero.item() == 0.0  # a zero P (a zero gradient) stays zero, not NaN
     big = torch.randn(70, 33, dtype=torch.float32)
     torch.testing.assert_close(squared_norm(big), big.double().square().sum().float())
 
