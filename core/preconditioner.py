@@ -194,6 +194,11 @@ class KFACPreconditioner:
             self._end_step()
             return
 
+        inverting = update_due("inv_update_steps", cfg.inv_update_steps, step)
+        # On a step that keeps its inverses, the factor collectives run while this step's
+        # gradients are preconditioned (which does not read the new factors), and the running
+        # averages are updated after them.
+        finish_factors: Callable[[], None] | None = None
         if self._capturing:
             decay = self._hyper("factor_decay", 0.0)
             if strategy.communicates_factors:
@@ -201,10 +206,12 @@ class KFACPreconditioner:
                     layer.stage_batch_factors(timer)
                 if self._enabled("factor_comm"):
                     with timer.stage("factor_comm"):
-                        strategy.reduce_factors(self.layers)
-                with timer.stage("factors"):
-                    for layer in self.layers:
-                        layer.update_running_factors(decay)
+                        if inverting:
+                            strategy.reduce_factors(self.layers)
+                        else:
+                            finish_factors = strategy.start_reduce_factors(self.layers)
+                if finish_factors is None:
+                    self._update_running_factors(decay)
             else:  # one layer at a time, so one batch factor is alive at once
                 for layer in self.layers:
                     layer.stage_batch_factors(timer)
@@ -212,7 +219,7 @@ class KFACPreconditioner:
                         layer.update_running_factors(decay)
 
         damping = self._hyper("damping", 0.0)
-        if update_due("inv_update_steps", cfg.inv_update_steps, step):
+        if inverting:
             if self._enabled("inversion"):
                 with timer.stage("inversion"):
                     for layer in self.layers:
@@ -250,7 +257,17 @@ class KFACPreconditioner:
         if self._enabled("scale"):
             with timer.stage("scale"):
                 self._clip_and_write(grads, preconditioned, products)
+        if finish_factors is not None:
+            with timer.stage("factor_comm"):
+                finish_factors()
+            self._update_running_factors(decay)
         self._end_step()
+
+    def _update_running_factors(self, decay: float) -> None:
+        """Blend every layer's staged (and reduced) batch factors into its running averages."""
+        with self.timer.stage("factors"):
+            for layer in self.layers:
+                layer.update_running_factors(decay)
 
     def _clip_and_write(self, grads: dict[str, Tensor | None],
                         preconditioned: dict[str, Tensor],

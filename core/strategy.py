@@ -6,13 +6,16 @@ single-process case: everything local, nothing moves. The distributed strategies
 KFAC_MATH.md live in ``core.distributed`` and override these methods.
 
 Contract with the preconditioner (per step, on every rank, in this order): ``reduce_factors``
-on factor-update steps; ``inverse_sides`` then ``communicate_inverses`` on inverse-update steps;
-``preconditions`` then ``communicate_gradients`` every step. Every rank makes the same calls, so
+on factor-update steps (on one that keeps its inverses, ``start_reduce_factors`` instead, and
+its completion after ``communicate_gradients``); ``inverse_sides`` then
+``communicate_inverses`` on inverse-update steps; ``preconditions`` then
+``communicate_gradients`` every step. Every rank makes the same calls, so
 a strategy may issue collectives in any of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +26,10 @@ from core.kfac_layer import KFACLayer
 
 if TYPE_CHECKING:
     from core.distributed.communicator import Communicator
+
+
+def _done() -> None:
+    """Completes a reduction that had nothing left to wait for."""
 
 
 class Strategy:
@@ -72,6 +79,16 @@ class Strategy:
 
     def reduce_factors(self, layers: list[KFACLayer]) -> None:
         """Combine the staged batch factors across ranks (in place on ``layer.batch_*``)."""
+        self.start_reduce_factors(layers)()
+
+    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
+        """Start :meth:`reduce_factors` and return the call that completes it.
+
+        Between the two the preconditioner runs work that does not read the new factors (the
+        preconditioning of a step that keeps its inverses), so the collectives overlap it. A
+        strategy that moves nothing, or cannot split its collective, does everything here.
+        """
+        return _done
 
     def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
         """Which of ``layer``'s factors (``"a"``, ``"g"``) this rank decomposes or inverts."""

@@ -179,11 +179,16 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
         strategy.set_step(step)
         if average_grads:
             average_gradients(grads, communicator)
+        inverting = update_due("inv_update_steps", config.inv_update_steps, step)
+        finish_factors = None  # the preconditioner's order: see KFACPreconditioner.step
         if update_due("factor_update_steps", config.factor_update_steps, step):
             captured = _stage_factors(strategy, layers, factor_dtype)
-            strategy.reduce_factors(layers)
-            _keep_factors(layers)
-        if update_due("inv_update_steps", config.inv_update_steps, step):
+            if inverting:
+                strategy.reduce_factors(layers)
+                _keep_factors(layers)
+            else:
+                finish_factors = strategy.start_reduce_factors(layers)
+        if inverting:
             _invert(strategy, layers, config.inverse_method, config.state_dtype)
             strategy.communicate_inverses(layers)
         preconditioned = {
@@ -192,6 +197,9 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
         }
         computed = tuple(preconditioned)
         strategy.communicate_gradients(layers, preconditioned)
+        if finish_factors is not None:
+            finish_factors()
+            _keep_factors(layers)
     report = RankReport(
         rank, communicator.ledger, memory_report(layers, strategy), captured,
         captured=tuple(layer.name for layer in layers if strategy.captures(layer)),

@@ -24,6 +24,7 @@ those flags, the assignment and the shapes, which all ranks share.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -124,12 +125,13 @@ class DistributedStrategy(Strategy):
         self.ready = {name: name in ready for name in self.ready}
 
     # Shared communication ----------------------------------------------------------------------
-    def _all_reduce_factors(self, layers: list[KFACLayer]) -> None:
-        """Average every staged batch factor over all ranks (packed / wire dtype per config)."""
+    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
+        """Start averaging every staged batch factor over all ranks (packed / wire dtype per
+        config): what every strategy but ``osawa`` and ``dp-kfac`` does with factors."""
         tensors = [t for layer in layers if layer.batch_a is not None and layer.batch_g is not None
                    for t in (layer.batch_a, layer.batch_g)]
-        self.communicator.all_reduce_many(tensors, stage="factor_comm", average=True,
-                                          dtype=self.wire_dtype, pack=self.pack)
+        return self.communicator.start_all_reduce(tensors, stage="factor_comm", average=True,
+                                                  dtype=self.wire_dtype, pack=self.pack).wait
 
     def _sync_ready(self, layers: list[KFACLayer]) -> None:
         """Share, per factor, whether its inverting rank holds a good decomposition.
@@ -159,9 +161,6 @@ class DKFACStrategy(DistributedStrategy):
     """D-KFAC: factors all-reduced; every rank inverts and preconditions every layer."""
 
     name = "d-kfac"
-
-    def reduce_factors(self, layers: list[KFACLayer]) -> None:
-        self._all_reduce_factors(layers)
 
     def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
         return SIDES
@@ -219,9 +218,6 @@ class KAISAStrategy(DistributedStrategy):
 
     def state_signature(self) -> dict[str, object]:
         return super().state_signature() | {"grad_workers": self.grad_workers}
-
-    def reduce_factors(self, layers: list[KFACLayer]) -> None:
-        self._all_reduce_factors(layers)
 
     def preconditions(self, layer: KFACLayer) -> bool:
         return self.ready[layer.name] and self.rank in self.placement(layer).group
@@ -296,8 +292,9 @@ class DPKFACStrategy(KAISAStrategy):
     def captures(self, layer: KFACLayer) -> bool:
         return self.owner(layer) == self.rank
 
-    def reduce_factors(self, layers: list[KFACLayer]) -> None:
+    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
         """Nothing moves: each owner's factors describe its own local batch."""
+        return lambda: None
 
 
 class OsawaStrategy(DistributedStrategy):
@@ -313,7 +310,8 @@ class OsawaStrategy(DistributedStrategy):
     def _owned(self, layers: list[KFACLayer], rank: int) -> list[KFACLayer]:
         return [layer for layer in layers if self.owner(layer) == rank]
 
-    def reduce_factors(self, layers: list[KFACLayer]) -> None:
+    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
+        """The reduce-scatter to the owners, completed here (one uneven collective)."""
         staged = [layer for layer in layers
                   if layer.batch_a is not None and layer.batch_g is not None]
         segments = [[t for layer in self._owned(staged, r)
@@ -323,6 +321,7 @@ class OsawaStrategy(DistributedStrategy):
         for layer in staged:
             if self.owner(layer) != self.rank:
                 layer.batch_a = layer.batch_g = None
+        return lambda: None
 
     def communicate_inverses(self, layers: list[KFACLayer]) -> None:
         self._sync_ready(layers)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from core import ConfigError, KFACConfig, KFACPreconditioner
+from core.kfac_layer import KFACLayer
+from core.strategy import Strategy
 
 
 def mlp(inplace: bool = False) -> nn.Module:
@@ -302,3 +305,54 @@ def test_nonfinite_factor_is_skipped_counted_and_training_continues() -> None:
     assert torch.equal(precond.layers[0].a.value, good)
     assert precond.metrics()["nonfinite_factor_skips"] == 1
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+class _RecordingStrategy(Strategy):
+    """One process that says it communicates factors, and logs the calls it gets."""
+
+    communicates_factors = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    def reduce_factors(self, layers: list[KFACLayer]) -> None:
+        self.log.append("reduce")
+
+    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
+        self.log.append("start")
+        return lambda: self.log.append("finish")
+
+    def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
+        self.log.append("gradients")
+
+
+def test_factor_collectives_overlap_the_preconditioning_of_a_step_that_keeps_its_inverses(
+        ) -> None:
+    """Inverses every 2 steps, factors every step: on step 1 the factors' reduction starts
+    before the gradients are preconditioned and moved, completes after, and the running
+    factors end as they do when everything runs in order."""
+    torch.manual_seed(1)
+    data = [(torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64))
+            for _ in range(3)]
+    results = []
+    for strategy in (_RecordingStrategy(), None):
+        model = mlp()
+        precond = KFACPreconditioner(model, factor_dtype="float64", inverse_dtype="float64",
+                                     inv_update_steps=2, strategy_impl=strategy)
+        for x, y in data:
+            model.zero_grad()
+            backward(model, x, y)
+            precond.step()
+        results.append(([(layer.a.value, layer.g.value) for layer in precond.layers],
+                        [p.grad.clone() for p in model.parameters()]))
+        if strategy is not None:
+            assert strategy.log == ["reduce", "gradients",           # step 0 inverts
+                                    "start", "gradients", "finish",  # step 1 keeps them
+                                    "reduce", "gradients"]           # step 2 inverts
+    (factors, grads), (expected_factors, expected_grads) = results
+    for (a, g), (a_ref, g_ref) in zip(factors, expected_factors, strict=True):
+        torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
