@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from core.distributed.communicator import Communicator
 
 
-def _done() -> None:
-    """Completes a reduction that had nothing left to wait for."""
+def nothing_to_wait() -> None:
+    """Completes a factor reduction that finished when it was started (or moved nothing)."""
 
 
 class Strategy:
@@ -88,7 +88,7 @@ class Strategy:
         preconditioning of a step that keeps its inverses), so the collectives overlap it. A
         strategy that moves nothing, or cannot split its collective, does everything here.
         """
-        return _done
+        return nothing_to_wait
 
     def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
         """Which of ``layer``'s factors (``"a"``, ``"g"``) this rank decomposes or inverts."""

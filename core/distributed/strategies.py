@@ -36,7 +36,7 @@ from core.distributed.assignment import Assignment, LayerWork, Placement, assign
 from core.distributed.communicator import Communicator
 from core.inverse import SIDES
 from core.kfac_layer import KFACLayer
-from core.strategy import Strategy
+from core.strategy import Strategy, nothing_to_wait
 
 
 class DistributedStrategy(Strategy):
@@ -294,7 +294,7 @@ class DPKFACStrategy(KAISAStrategy):
 
     def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
         """Nothing moves: each owner's factors describe its own local batch."""
-        return lambda: None
+        return nothing_to_wait
 
 
 class OsawaStrategy(DistributedStrategy):
@@ -321,7 +321,7 @@ class OsawaStrategy(DistributedStrategy):
         for layer in staged:
             if self.owner(layer) != self.rank:
                 layer.batch_a = layer.batch_g = None
-        return lambda: None
+        return nothing_to_wait
 
     def communicate_inverses(self, layers: list[KFACLayer]) -> None:
         self._sync_ready(layers)
