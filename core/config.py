@@ -187,6 +187,13 @@ class KFACConfig:
             broadcast volume, and preconditioning products several times faster where the
             hardware has bf16 matrix units (GPUs, CPUs with AMX), for a relative rounding of
             about 2⁻⁸ per state entry. Not for "cholesky_solve" (no bf16 triangular solve).
+        precondition_dtype_tolerance: with a ``precondition_dtype`` narrower than
+            ``inverse_dtype``, each factor's fresh state is tried on the step's gradient when
+            it is computed; one whose rounding moves that product by more than this relative
+            (Frobenius) error stays in ``inverse_dtype`` until its next inversion. Rounding
+            loses all digits on factors that are rank-deficient next to the damping (a
+            classifier's input, attention value projections; docs/benchmarks.md "Inverses in
+            bf16"). None rounds every factor (KAISA's ``inv_dtype``).
         symmetry_aware: send packed upper triangles of symmetric factors (and inverses).
         comm_dtype: dtype on the wire for factors and inverses (None = storage dtype).
         bucket_cap_mb: largest flat buffer one collective moves, in MB (bucketing), > 0.
@@ -211,6 +218,7 @@ class KFACConfig:
     factor_dtype: str = "float32"
     inverse_dtype: str = "float32"
     precondition_dtype: str | None = None
+    precondition_dtype_tolerance: float | None = 0.05
     symmetry_aware: bool = False
     comm_dtype: str | None = None
     bucket_cap_mb: float = 25.0
@@ -268,6 +276,9 @@ class KFACConfig:
                                   "None, 'float32' or 'float64' with inverse_method="
                                   "'cholesky_solve' (triangular solves have no bf16 kernel; use "
                                   "inverse_method='inverse' or 'eigen' for bf16 products)")
+        if self.precondition_dtype_tolerance is not None:
+            check_number("precondition_dtype_tolerance", self.precondition_dtype_tolerance,
+                         low=0.0)
         if not isinstance(self.symmetry_aware, bool):
             raise ConfigError("symmetry_aware", self.symmetry_aware, "True or False")
         if self.comm_dtype is not None:

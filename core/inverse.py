@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -67,10 +67,33 @@ class _SidedState:
         half = len(tensors) // 2
         return tensors[:half] if side == "a" else tensors[half:]
 
-    def set_side(self, side: str, values: Sequence[Tensor]) -> None:
-        """Copy a fresh decomposition of factor ``side`` into this state's tensors."""
+    def _side_fields(self, side: str) -> list[str]:
+        names = [f.name for f in fields(self)]  # type: ignore[arg-type]
+        half = len(names) // 2
+        return names[:half] if side == "a" else names[half:]
+
+    def side_dtype(self, side: str) -> torch.dtype:
+        """The dtype factor ``side``'s tensors are kept in (both sides may differ: see
+        :func:`kept_dtype`)."""
+        return self.side_tensors(side)[0].dtype
+
+    def set_side(self, side: str, values: Sequence[Tensor], dtype: torch.dtype | None = None
+                 ) -> None:
+        """Copy a fresh decomposition of factor ``side`` into this state's tensors, kept in
+        ``dtype`` (default: the side's current dtype; another one replaces its tensors)."""
+        if dtype is not None and dtype != self.side_dtype(side):
+            for name, src in zip(self._side_fields(side), values, strict=True):
+                setattr(self, name, src.to(dtype, memory_format=torch.contiguous_format,
+                                           copy=True))
+            return
         for dst, src in zip(self.side_tensors(side), values, strict=True):
             dst.copy_(src)
+
+    def convert_side(self, side: str, dtype: torch.dtype) -> None:
+        """Keep factor ``side`` in ``dtype`` from now on (its values cast), e.g. before a
+        broadcast of the owner's state in that dtype overwrites them."""
+        if dtype != self.side_dtype(side):
+            self.set_side(side, self.side_tensors(side), dtype)
 
 
 @dataclass
@@ -310,26 +333,116 @@ def compute_sides(a: Tensor, g: Tensor, *, method: str, damping: float, split: s
     return {side: (damped(side),) for side in sides}
 
 
+def _a_side_first(a: Tensor, g: Tensor) -> bool:
+    """Whether ``A``'s state is kept wider than ``G``'s, so its product goes first."""
+    return a.element_size() > g.element_size()
+
+
 def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tensor:
-    """The preconditioned gradient matrix ``P`` of ``∇W̄`` (shape ``(g_dim, a_dim)``)."""
-    dtype = state.tensors()[0].dtype
+    """The preconditioned gradient matrix ``P`` of ``∇W̄`` (shape ``(g_dim, a_dim)``).
+
+    Each product runs in the dtype of the side it applies (its operand cast to it). The
+    sides' dtypes may differ (:func:`kept_dtype`); then the wider side multiplies first, on
+    the unrounded gradient: a factor kept wide because rounding noise in its operand would be
+    amplified must not receive the narrow side's rounded output. The result is in the dtype
+    of the side applied last (the caller casts it).
+    """
     if isinstance(state, CholeskyState):
         # P = L_G⁻ᵀ L_G⁻¹ ∇W̄ L_A⁻ᵀ L_A⁻¹, four triangular solves in one row-major copy of ∇W̄:
         # with out=B, torch transposes the equation for a row-major B rather than copying it,
         # and passes either layout of L to BLAS as is, so no matrix is copied or transposed.
-        p = grad.to(dtype, memory_format=torch.contiguous_format, copy=True)
         solve = torch.linalg.solve_triangular
-        solve(state.g_chol, p, upper=False, out=p)
-        solve(state.g_chol.mT, p, upper=True, out=p)
-        solve(state.a_chol.mT, p, upper=True, left=False, out=p)
-        solve(state.a_chol, p, upper=False, left=False, out=p)
-        return p
-    grad = grad.to(dtype)
+        a_chol, g_chol = state.a_chol, state.g_chol
+
+        def solve_g(p: Tensor) -> Tensor:
+            p = p.to(g_chol.dtype)
+            solve(g_chol, p, upper=False, out=p)
+            return solve(g_chol.mT, p, upper=True, out=p)
+
+        def solve_a(p: Tensor) -> Tensor:
+            p = p.to(a_chol.dtype)
+            solve(a_chol.mT, p, upper=True, left=False, out=p)
+            return solve(a_chol, p, upper=False, left=False, out=p)
+
+        if _a_side_first(a_chol, g_chol):
+            p = grad.to(a_chol.dtype, memory_format=torch.contiguous_format, copy=True)
+            return solve_g(solve_a(p))
+        p = grad.to(g_chol.dtype, memory_format=torch.contiguous_format, copy=True)
+        return solve_a(solve_g(p))
     if isinstance(state, EigenState):
-        rotated = state.qg.T @ grad @ state.qa
-        rotated /= torch.outer(state.dg, state.da).add_(damping)
-        return state.qg @ rotated @ state.qa.T
-    return state.g_inv @ grad @ state.a_inv
+        qg, qa = state.qg, state.qa
+        if _a_side_first(qa, qg):
+            rotated = qg.T @ (grad.to(qa.dtype) @ qa).to(qg.dtype)
+        else:
+            rotated = (qg.T @ grad.to(qg.dtype)).to(qa.dtype) @ qa
+        rotated /= torch.outer(state.dg.to(rotated.dtype), state.da.to(rotated.dtype)
+                               ).add_(damping)
+        return (qg @ rotated.to(qg.dtype)).to(qa.dtype) @ qa.T
+    g_inv, a_inv = state.g_inv, state.a_inv
+    if _a_side_first(a_inv, g_inv):
+        return g_inv @ (grad.to(a_inv.dtype) @ a_inv).to(g_inv.dtype)
+    return (g_inv @ grad.to(g_inv.dtype)).to(a_inv.dtype) @ a_inv
+
+
+#: Most gradient rows (or columns) :func:`kept_dtype` multiplies: a sketch of the product
+#: whose error it measures, at a small fraction of a decomposition's cost.
+PROBE_VECTORS = 32
+
+
+def probe_vectors(grad: Tensor, side: str) -> Tensor:
+    """Up to :data:`PROBE_VECTORS` evenly spaced vectors of ``∇W̄`` that factor ``side``
+    multiplies, as the columns of an ``(n, k)`` matrix: rows of ``∇W̄`` for ``A`` (the
+    product ``∇W̄ A⁻¹`` is their transpose's ``A⁻¹ ∇W̄ᵀ``, ``A⁻¹`` being symmetric), columns
+    for ``G``."""
+    vectors = grad.T if side == "a" else grad
+    stride = max(1, vectors.shape[1] // PROBE_VECTORS)
+    return vectors[:, ::stride][:, :PROBE_VECTORS]
+
+
+def apply_side(tensors: Sequence[Tensor], kind: str, shift: float, x: Tensor) -> Tensor:
+    """One factor's damped inverse times ``x`` (``(n, k)``), from its state tensors of
+    ``kind`` and in their dtype, as :func:`precondition` multiplies: ``F⁻¹ x`` for an inverse,
+    two triangular solves for a Cholesky factor, ``Q (Qᵀ x ⊘ (d + shift))`` for an eigenbasis
+    (the side's own damped inverse; the eigen product damps ``d_G d_Aᵀ`` as a whole)."""
+    if kind == "eigen":
+        q, d = tensors
+        rotated = q.T @ x.to(q.dtype)
+        rotated /= (d + shift).unsqueeze(1)
+        return q @ rotated
+    (matrix,) = tensors
+    if kind == "cholesky_solve":
+        return torch.cholesky_solve(x.to(matrix.dtype), matrix)
+    return matrix @ x.to(matrix.dtype)
+
+
+def rounding_error(tensors: Sequence[Tensor], kind: str, shift: float, x: Tensor,
+                   dtype: torch.dtype) -> float:
+    """``‖F̃⁻¹ x̃ − F⁻¹ x‖ / ‖F⁻¹ x‖`` (Frobenius) with ``F̃⁻¹`` the state rounded to ``dtype``
+    and ``x̃`` its operand rounded alike: how far keeping the state in ``dtype`` moves the
+    product (see :func:`apply_side`); 0 for a zero product."""
+    exact = apply_side(tensors, kind, shift, x)
+    rounded = apply_side([t.to(dtype) for t in tensors], kind, shift, x).to(exact.dtype)
+    norm = torch.linalg.vector_norm(exact)
+    if float(norm) == 0.0:
+        return 0.0
+    return float(torch.linalg.vector_norm(rounded - exact) / norm)
+
+
+def kept_dtype(tensors: Sequence[Tensor], kind: str, shift: float, grad: Tensor, side: str,
+               narrow: torch.dtype, tolerance: float) -> torch.dtype:
+    """The dtype to keep one factor's fresh state in: ``narrow`` (``precondition_dtype``)
+    unless, tried on this step's gradient, rounding to it moves the side's product by more
+    than ``tolerance`` (:func:`rounding_error` on :func:`probe_vectors`); then the state's
+    own dtype.
+
+    Rounding to bf16 moves each entry by at most 2⁻⁸ relative, but where a factor is
+    rank-deficient next to the damping (fewer rows than its width; a classifier's input, an
+    attention value projection) its inverse has entries of order ``1/λ`` in directions the
+    gradient never excites, and the rounding noise excites them: the product can lose all its
+    digits.
+    """
+    error = rounding_error(tensors, kind, shift, probe_vectors(grad, side), narrow)
+    return narrow if error <= tolerance else tensors[0].dtype
 
 
 def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:

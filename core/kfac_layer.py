@@ -20,6 +20,8 @@ from core.inverse import (
     DecompositionError,
     SecondOrderState,
     compute_sides,
+    factor_shifts,
+    kept_dtype,
     make_state,
     precondition,
 )
@@ -156,13 +158,17 @@ class KFACLayer(PreconditionedLayer):
     # Inversion -------------------------------------------------------------------------------
     def compute_inverse(self, *, method: str, damping: float, split: str,
                         dtype: torch.dtype, state_dtype: torch.dtype | None = None,
-                        sides: tuple[str, ...] = SIDES) -> None:
+                        sides: tuple[str, ...] = SIDES, grad: Tensor | None = None,
+                        tolerance: float | None = None) -> None:
         """Recompute the second-order state of ``sides``; on failure keep the last good one.
 
         The decomposition runs in ``dtype`` and is kept in ``state_dtype`` (default ``dtype``;
-        a narrower one rounds it once, here). A distributed strategy may ask for one side only
-        (the factors of a layer inverted on different ranks); the other side's tensors then
-        stay as they are until they arrive.
+        a narrower one rounds it once, here), except a side whose rounding would move its
+        product with this step's gradient ``grad`` by more than ``tolerance``
+        (:func:`~core.inverse.kept_dtype`), which stays in ``dtype`` until its next
+        inversion. A distributed strategy may ask for one side only (the factors of a layer
+        inverted on different ranks); the other side's tensors then stay as they are until
+        they arrive.
         """
         if not sides or not self.has_factors:
             return
@@ -176,10 +182,18 @@ class KFACLayer(PreconditionedLayer):
             warnings.warn(f"{self.name}: {err}; {kept} "
                           f"({self.decomposition_failures} failures so far)", stacklevel=2)
             return
+        narrow = state_dtype or dtype
         if self.state is None:
-            self.state = self.empty_state(method, state_dtype or dtype, self.a.value.device)
-        for side, values in parts.items():
-            self.state.set_side(side, values)
+            self.state = self.empty_state(method, narrow, self.a.value.device)
+        if narrow == dtype or tolerance is None or grad is None:
+            for side, values in parts.items():
+                self.state.set_side(side, values, narrow)
+        else:
+            shifts = dict(zip(SIDES, factor_shifts(self.a.value, self.g.value, damping, split),
+                              strict=True))
+            for side, values in parts.items():
+                self.state.set_side(side, values, kept_dtype(
+                    values, self.state.kind, shifts[side], grad, side, narrow, tolerance))
         self.valid_sides.update(parts)
 
     @property

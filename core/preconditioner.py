@@ -24,7 +24,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import STATE_TYPES, kl_clip_factor, kl_product, make_state
+from core.inverse import SIDES, STATE_TYPES, kl_clip_factor, kl_product
 from core.kfac_layer import KFACLayer
 from core.layer_base import check_saved_layers, finite_gradients
 from core.layers import helper_for
@@ -226,7 +226,9 @@ class KFACPreconditioner:
                         layer.compute_inverse(method=cfg.inverse_method, damping=damping,
                                               split=cfg.damping_split, dtype=self.inverse_dtype,
                                               state_dtype=self.state_dtype,
-                                              sides=strategy.inverse_sides(layer))
+                                              sides=strategy.inverse_sides(layer),
+                                              grad=grads[layer.name],
+                                              tolerance=cfg.precondition_dtype_tolerance)
             if self._enabled("inverse_comm"):
                 with timer.stage("inverse_comm"):
                     strategy.communicate_inverses(self.layers)
@@ -301,11 +303,17 @@ class KFACPreconditioner:
         return memory_report(self.layers, self.strategy)
 
     def metrics(self) -> dict[str, float]:
-        """Scalars worth logging each step: stage times, KL scale, failure and skip counters."""
+        """Scalars worth logging each step: stage times, KL scale, failure and skip counters,
+        and with a narrower ``precondition_dtype`` the factors this rank keeps wider
+        (``wide_state_sides``, see ``precondition_dtype_tolerance``)."""
         out: dict[str, float] = {f"time/{k}": v for k, v in self.timer.last.items()}
         out["kl_scale"] = self.last_kl_scale
         out["damping"] = self._hyper("damping", 0.0)
         out["decomposition_failures"] = sum(x.decomposition_failures for x in self.layers)
+        if self.state_dtype != self.inverse_dtype:
+            out["wide_state_sides"] = sum(
+                x.state is not None and x.state.side_dtype(side) != self.state_dtype
+                for x in self.layers for side in SIDES)
         out["nonfinite_factor_skips"] = sum(x.nonfinite_factor_skips for x in self.layers)
         out["skipped_overflow_steps"] = self.skipped_overflow_steps
         return out
@@ -318,6 +326,7 @@ class KFACPreconditioner:
             "signature": self.strategy.state_signature(),
             "strategy": self.strategy.state_dict(),
             "layers": {layer.name: layer.state_dict() for layer in self.layers},
+            "state_dtype": str(self.state_dtype).removeprefix("torch."),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -335,11 +344,15 @@ class KFACPreconditioner:
         if saved_kinds:
             raise ValueError(f"preconditioner state holds {sorted(saved_kinds)} states, "
                              f"inverse_method={self.config.inverse_method!r} needs {kind!r}")
+        # Saved under this run's state dtype, every side stays as it was kept (wider where
+        # precondition_dtype_tolerance chose so); saved under another one, every side is
+        # converted to this run's, and the next inversion chooses again.
+        same_dtype = state.get("state_dtype") == str(self.state_dtype).removeprefix("torch.")
         for layer in self.layers:
             layer.load_state_dict(state["layers"][layer.name])
-            if layer.state is not None:  # saved under another precondition_dtype: convert
-                layer.state = make_state(layer.state.kind,
-                                         [t.to(self.state_dtype) for t in layer.state.tensors()])
+            if layer.state is not None and not same_dtype:
+                for side in SIDES:
+                    layer.state.convert_side(side, self.state_dtype)
         self.strategy.load_state_dict(state["strategy"])
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])

@@ -467,12 +467,16 @@ class LayerShape:
             convention averages over positions first).
         captured: Elements of the layer's input and output gradient, which building its
             factors (or statistics) must read at least once.
+        a_word: Bytes per entry of ``A``'s second-order state at the end of the run (2 for
+            bf16; ``precondition_dtype_tolerance`` may keep a factor in fp32). g_word: ``G``'s.
     """
 
     a_dim: int
     g_dim: int
     rows: int
     captured: int
+    a_word: int = 4
+    g_word: int = 4
 
 
 @dataclass
@@ -617,10 +621,21 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     return MethodRun(
         kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
         stages[WARM_STEPS:], built + peak, state_bytes=state_bytes(precond),
-        layers=[LayerShape(layer.a_dim, layer.g_dim, *rows[layer.name])
+        layers=[LayerShape(layer.a_dim, layer.g_dim, *rows[layer.name],
+                           *state_words(layer, method.state_word))
                 for layer in precond.layers],
         failures=int(metrics.get("decomposition_failures", 0)
                      + metrics.get("update_failures", 0)))
+
+
+def state_words(layer: Any, default: int) -> tuple[int, int]:
+    """Bytes per entry of a layer's ``A`` and ``G`` state as kept now (a K-FAC layer's
+    state), or ``default`` for both."""
+    state = getattr(layer, "state", None)
+    if state is None:
+        return default, default
+    a, g = (state.side_tensors(side)[0].element_size() for side in ("a", "g"))
+    return a, g
 
 
 def record_shapes(model: nn.Module, names: Sequence[str], average_positions: bool
@@ -656,8 +671,9 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     and inverse, or the factorisation alone for ``cholesky_solve``); preconditioning is GEMMs
     (``2·g·a·(g + a)`` FLOPs, twice that for the eigenbasis rotations) or, for
     ``cholesky_solve``, four triangular solves of the same FLOPs at the measured triangular-solve
-    rate (two against each factor); with a bf16 state (``precondition_dtype``) the GEMMs count
-    at the measured bf16 GEMM rate and the state is read at 2 bytes an entry. Memory-bound work (the
+    rate (two against each factor); each factor's product counts at the GEMM rate of the
+    dtype its state is kept in (bf16 with ``precondition_dtype``, unless the tolerance kept it
+    fp32), whose bytes it reads. Memory-bound work (the
     rank-1 statistics and updates, Eva's closed form, the scale and write-back) counts the
     passes over its data at the copy bandwidth. Capture (building factor rows) has no bound of
     its own: a lower bound need not materialise rows, so it counts as overhead of ``factors``.
@@ -672,12 +688,16 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     def at_least_read(seconds: float, elements: int) -> float:
         return max(seconds, elements * word / rates.bandwidth)
 
+    def gemm_kind(state_word: int) -> str:
+        return "gemm_bf16" if state_word == 2 else "gemm"
+
     for layer in layers:
         a, g, rows = layer.a_dim, layer.g_dim, layer.rows
         squares = a * a + g * g
-        gemm_kind = "gemm_bf16" if method.state_word == 2 else "gemm"
-        gemm = max(2 * g * a * (g + a) / rates.at(gemm_kind, min(g, a)),
-                   (g * a * word + squares * method.state_word) / rates.bandwidth)
+        gemm = max(2 * g * a * g / rates.at(gemm_kind(layer.g_word), min(g, a))
+                   + 2 * g * a * a / rates.at(gemm_kind(layer.a_word), min(g, a)),
+                   (g * a * word + a * a * layer.a_word + g * g * layer.g_word)
+                   / rates.bandwidth)
         scale = 3 * g * a * word / rates.bandwidth  # read P and the gradient, write .grad
         if method.kind == "kfac":
             update["factors"] += at_least_read(

@@ -6,7 +6,9 @@ the product can lose much more where it cancels: a factor that is rank-deficient
 damping has inverse entries of order 1/λ that the exact gradient never excites, and rounding
 noise does. This script trains ``--steps`` steps of SGD with K-FAC (random batches, fp32 state),
 then preconditions each layer's last gradient with the fp32 state and with its bf16 rounding,
-and prints the relative error and the cosine per layer, worst last.
+and prints the relative error and the cosine per layer, worst last; and which factors
+``precondition_dtype_tolerance`` (``--tolerance``, the default's value by default) would keep in
+fp32 on that gradient, and the error left with them kept.
 
     OMP_NUM_THREADS=1 python -m scripts.bf16_state_error --workload resnet18-32
 """
@@ -28,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from core import KFACPreconditioner  # noqa: E402
-from core.inverse import make_state, precondition  # noqa: E402
+from core import KFACConfig, KFACPreconditioner  # noqa: E402
+from core.inverse import SIDES, factor_shifts, kept_dtype, make_state, precondition  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
 from scripts import bench  # noqa: E402
 
@@ -44,6 +46,8 @@ class LayerError:
         g_dim: Width of its output-gradient factor.
         relative_error: ``‖P_bf16 − P_fp32‖ / ‖P_fp32‖`` (Frobenius).
         cosine: Cosine of the angle between the two.
+        kept: The factors (``A``, ``G``) the tolerance keeps in fp32.
+        guarded_error: The relative error with those kept in fp32, the others rounded.
     """
 
     name: str
@@ -51,12 +55,19 @@ class LayerError:
     g_dim: int
     relative_error: float
     cosine: float
+    kept: str
+    guarded_error: float
 
 
-def measure(workload: bench.Workload, *, method: str, damping: float, steps: int
-            ) -> list[LayerError]:
+def _relative(got: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((got - exact).norm() / exact.norm().clamp_min(1e-30))
+
+
+def measure(workload: bench.Workload, *, method: str, damping: float, steps: int,
+            tolerance: float) -> list[LayerError]:
     """Train ``steps`` K-FAC steps on random batches of ``workload``'s shape, then compare
-    each layer's last gradient preconditioned with the fp32 state and its bf16 rounding."""
+    each layer's last gradient preconditioned with the fp32 state and its bf16 rounding, whole
+    and with the factors ``tolerance`` keeps in fp32."""
     torch.manual_seed(0)
     model = workload.build()
     precond = KFACPreconditioner(model, inverse_method=method, damping=damping, kl_clip=None,
@@ -80,17 +91,28 @@ def measure(workload: bench.Workload, *, method: str, damping: float, steps: int
         exact = precondition(grad, layer.state, damping).double().flatten()
         low = make_state(layer.state.kind, [t.bfloat16() for t in layer.state.tensors()])
         rounded = precondition(grad, low, damping).double().flatten()
+        guarded = make_state(layer.state.kind, [t.clone() for t in layer.state.tensors()])
+        shifts = factor_shifts(layer.a.value, layer.g.value, damping, "full")
+        kept = []
+        for side, shift in zip(SIDES, shifts, strict=True):
+            dtype = kept_dtype(layer.state.side_tensors(side), layer.state.kind, shift, grad,
+                               side, torch.bfloat16, tolerance)
+            guarded.convert_side(side, dtype)
+            if dtype != torch.bfloat16:
+                kept.append(side.upper())
         out.append(LayerError(
-            layer.name, layer.a_dim, layer.g_dim,
-            float((rounded - exact).norm() / exact.norm().clamp_min(1e-30)),
-            float(torch.nn.functional.cosine_similarity(rounded, exact, dim=0))))
+            layer.name, layer.a_dim, layer.g_dim, _relative(rounded, exact),
+            float(torch.nn.functional.cosine_similarity(rounded, exact, dim=0)),
+            ", ".join(kept) or "-",
+            _relative(precondition(grad, guarded, damping).double().flatten(), exact)))
     return sorted(out, key=lambda e: e.relative_error)
 
 
 def markdown(errors: Sequence[LayerError]) -> str:
-    lines = ["| layer | A width | G width | relative error | cosine |", "|---|---|---|---|---|"]
-    lines += [f"| {e.name} | {e.a_dim} | {e.g_dim} | {e.relative_error:.1e} | {e.cosine:.5f} |"
-              for e in errors]
+    lines = ["| layer | A width | G width | relative error | cosine | kept fp32 by the "
+             "tolerance | error with them kept |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {e.name} | {e.a_dim} | {e.g_dim} | {e.relative_error:.1e} | {e.cosine:.5f} "
+              f"| {e.kept} | {e.guarded_error:.1e} |" for e in errors]
     return "\n".join(lines)
 
 
@@ -100,6 +122,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--method", default="inverse", choices=("inverse", "cholesky", "eigen"))
     parser.add_argument("--damping", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--tolerance", type=float,
+                        default=KFACConfig.precondition_dtype_tolerance,
+                        help="precondition_dtype_tolerance to show the kept factors of")
     return parser.parse_args(argv)
 
 
@@ -107,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> list[LayerError]:
     args = parse_args(argv)
     torch.set_num_threads(1)
     errors = measure(bench.WORKLOADS[args.workload], method=args.method, damping=args.damping,
-                     steps=args.steps)
+                     steps=args.steps, tolerance=args.tolerance)
     print(markdown(errors))
     return errors
 

@@ -17,9 +17,10 @@ each row receives ``P`` from its member of that column (``f = 1``: comm-opt, ``f
 mem-opt). DP-KFAC is mem-opt without factor communication, capturing only on the owner.
 
 Consistency rule: whether an owner holds a usable decomposition is data-dependent (first steps,
-failed decompositions), so after each inversion the owners share one flag per factor in a tiny
-MIN all-reduce (stage ``inverse_comm``); every later decision about what moves depends only on
-those flags, the assignment and the shapes, which all ranks share.
+failed decompositions), and so is the dtype ``precondition_dtype_tolerance`` keeps a factor in;
+so after each inversion the owners share one code per factor in a tiny MAX all-reduce (stage
+``inverse_comm``); every later decision about what moves, and in which dtype, depends only on
+those codes, the assignment and the shapes, which all ranks share.
 """
 
 from __future__ import annotations
@@ -133,22 +134,33 @@ class DistributedStrategy(Strategy):
         return self.communicator.start_all_reduce(tensors, stage="factor_comm", average=True,
                                                   dtype=self.wire_dtype, pack=self.pack).wait
 
-    def _sync_ready(self, layers: list[KFACLayer]) -> None:
-        """Share, per factor, whether its inverting rank holds a good decomposition.
+    def _sync_ready(self, layers: list[KFACLayer]) -> dict[str, tuple[torch.dtype, ...]]:
+        """Share, per factor, whether its inverting rank holds a good decomposition, and in
+        which dtype it keeps it (``precondition_dtype_tolerance`` may keep a factor wider).
 
-        Each rank contributes its own factors' flags and 1 elsewhere; the MIN all-reduce gives
-        every rank the owners' flags.
+        Each inverting rank contributes its own factors' codes (0: kept in the state dtype,
+        1: kept in the inverse dtype, 2: no good state) and 0 elsewhere; the MAX all-reduce
+        gives every rank the owners' codes.
+
+        Returns:
+            Per layer, the dtype each side's state is kept in (``SIDES`` order).
         """
-        flags = torch.ones(len(layers), len(SIDES), dtype=torch.uint8)
+        wide, narrow = self.dtype, self.config.state_dtype
+        codes = torch.zeros(len(layers), len(SIDES), dtype=torch.uint8)
         for i, layer in enumerate(layers):
             placement = self.placement(layer)
             for j, side in enumerate(SIDES):
                 if placement.rank_of(side) == self.rank:
-                    flags[i, j] = side in layer.valid_sides
-        flags = flags.to(self.communicator.device)
-        self.communicator.all_reduce(flags, stage="inverse_comm", op="min")
-        for layer, row in zip(layers, flags.cpu().tolist(), strict=True):
-            self.ready[layer.name] = all(row)
+                    state = layer.state
+                    codes[i, j] = (2 if state is None or side not in layer.valid_sides
+                                   else 0 if state.side_dtype(side) == narrow else 1)
+        codes = codes.to(self.communicator.device)
+        self.communicator.all_reduce(codes, stage="inverse_comm", op="max")
+        dtypes = {}
+        for layer, row in zip(layers, codes.cpu().tolist(), strict=True):
+            self.ready[layer.name] = 2 not in row
+            dtypes[layer.name] = tuple(wide if code == 1 else narrow for code in row)
+        return dtypes
 
     def _receive_buffer(self, layer: KFACLayer) -> Tensor:
         """A fresh tensor for ``layer``'s preconditioned gradient, counted in the buffers."""
@@ -225,7 +237,7 @@ class KAISAStrategy(DistributedStrategy):
     def communicate_inverses(self, layers: list[KFACLayer]) -> None:
         """Share the readiness flags; then, within each column, broadcast every ready layer's
         state from its inverting ranks (one bucketed broadcast per source rank)."""
-        self._sync_ready(layers)
+        dtypes = self._sync_ready(layers)
         if self.grad_workers == 1:
             return
         outgoing: dict[int, tuple[list[Tensor], list[bool]]] = {}
@@ -238,9 +250,10 @@ class KAISAStrategy(DistributedStrategy):
             if layer.state is None:
                 layer.state = layer.empty_state(self.method, self.config.state_dtype,
                                                 layer.device)
-            for side in SIDES:
+            for side, dtype in zip(SIDES, dtypes[layer.name], strict=True):
                 src = placement.rank_of(side)
                 if src != self.rank:
+                    layer.state.convert_side(side, dtype)  # the owner's, before it arrives
                     received.append((layer, side))
                 tensors, packs = outgoing.setdefault(src, ([], []))
                 side_tensors = layer.state.side_tensors(side)

@@ -274,7 +274,8 @@ def test_bf16_state_stays_within_the_rounding_bound_of_the_dense_formula(method:
     damping = 0.01
     precond, raw, new = one_step(model, torch.randn(4, 2, 6, 6, dtype=torch.float64),
                                  damping=damping, inverse_method=method, kl_clip=None,
-                                 precondition_dtype="bfloat16")
+                                 precondition_dtype="bfloat16",
+                                 precondition_dtype_tolerance=None)
     for layer in precond.layers:
         assert all(t.dtype == torch.bfloat16 for t in layer.state.tensors())
         assert new[layer.name].dtype == torch.float64
@@ -304,7 +305,8 @@ def test_bf16_state_halves_the_state_memory_of_fp32() -> None:
     usage = {}
     for dtype in ("float32", "bfloat16"):
         model = small_cnn().float()
-        precond = KFACPreconditioner(model, inverse_method="inverse", precondition_dtype=dtype)
+        precond = KFACPreconditioner(model, inverse_method="inverse", precondition_dtype=dtype,
+                                     precondition_dtype_tolerance=None)
         model(x).pow(2).mean().backward()
         precond.step()
         usage[dtype] = precond.memory_usage()

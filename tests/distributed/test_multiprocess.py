@@ -38,11 +38,23 @@ P4_CONFIGS: dict[str, dict[str, Any]] = {
     "osawa": {"strategy": "osawa", "symmetry_aware": True, "assignment": "contiguous"},
     "dp-kfac": {"strategy": "dp-kfac", "kl_clip": None},
     # States rounded to bf16: broadcast in bf16, preconditioned gradients in the inverse dtype.
+    # Every factor rounded (no tolerance), as KAISA's inv_dtype does.
     "comm-opt-inverse-bf16": {"strategy": "comm-opt", "inverse_method": "inverse",
                               "factor_dtype": "float64", "inverse_dtype": "float64",
-                              "precondition_dtype": "bfloat16"},
+                              "precondition_dtype": "bfloat16",
+                              "precondition_dtype_tolerance": None},
     "dp-kfac-bf16": {"strategy": "dp-kfac", "kl_clip": None, "inverse_method": "inverse",
-                     "precondition_dtype": "bfloat16"},
+                     "precondition_dtype": "bfloat16", "precondition_dtype_tolerance": None},
+}
+#: bf16 states under the default tolerance, A and G inverted on different ranks: fc1's A
+#: (49 wide, 8 rows) loses 26% of its product to rounding at step 0, so it stays fp64 and
+#: travels so; at step 2 (2%) it is rounded. Which dtype each factor travels in depends on the
+#: data, so the simulation cannot follow: these have their own tests.
+GUARDED_CONFIGS: dict[str, dict[str, Any]] = {
+    "comm-opt-split-bf16-guarded": {"strategy": "comm-opt", "colocate_factors": False,
+                                    "inverse_method": "inverse", "factor_dtype": "float64",
+                                    "inverse_dtype": "float64",
+                                    "precondition_dtype": "bfloat16"},
 }
 P2_CONFIGS: dict[str, dict[str, Any]] = {
     "d-kfac": {"strategy": "d-kfac"},
@@ -59,9 +71,15 @@ P2_CONFIGS: dict[str, dict[str, Any]] = {
                               "inverse_dtype": "float64"},
     "dp-kfac-solve": {"strategy": "dp-kfac", "inverse_method": "cholesky_solve",
                       "kl_clip": None},
+    # A tight tolerance keeps fc1's A side fp32 at every inversion: a checkpoint then holds
+    # sides of two dtypes.
+    "comm-opt-bf16-guarded": {"strategy": "comm-opt", "inverse_method": "inverse",
+                              "precondition_dtype": "bfloat16",
+                              "precondition_dtype_tolerance": 0.01},
 }
 ROUND_TRIPS = {name: P2_CONFIGS[name]
-               for name in ("comm-opt", "mem-opt", "osawa", "dp-kfac", "comm-opt-solve-packed")}
+               for name in ("comm-opt", "mem-opt", "osawa", "dp-kfac", "comm-opt-solve-packed",
+                            "comm-opt-bf16-guarded")}
 
 FP32_TOLERANCE = 1e-4
 FP16_WIRE_TOLERANCE = 2e-2
@@ -73,7 +91,8 @@ BF16_STATE_TOLERANCE = 2e-2
 @pytest.fixture(scope="module")
 def p4() -> list[dict[str, Any]]:
     """Per rank, the results of every P4 configuration, 4 processes, grads averaged by hand."""
-    return run_workers(suite, 4, P4_CONFIGS, ddp=False, with_unused=False, round_trips={})
+    return run_workers(suite, 4, P4_CONFIGS | GUARDED_CONFIGS, ddp=False, with_unused=False,
+                       round_trips={})
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +149,12 @@ def _tri(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, int, int]]
+def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, int, int]],
+                     state_dtypes: list[dict[str, list[str]]] | None = None
                      ) -> dict[tuple[int, str, str, str], list[int]]:
     """``(step, stage, op, dtype) -> [elements, traffic bytes]`` on ``rank``, from the layer
-    dimensions and the placement alone (P = 4, factors every step, inverses at steps 0, 2)."""
+    dimensions and the placement alone (P = 4, factors every step, inverses at steps 0, 2),
+    and, where a tolerance chooses them, the dtype each side's state was kept in per step."""
     p = 4
     strategy = KFACConfig(**options).canonical_strategy
     pack = options.get("symmetry_aware", False)
@@ -179,8 +200,11 @@ def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, i
             if strategy in ("comm-opt", "hybrid-opt"):
                 for name, (a, g) in dims.items():
                     if rank in column(name):
-                        for side_rank, n in zip(place[name], (a, g), strict=True):
-                            add(step, "inverse_comm", "broadcast", state_wire, state_size(n),
+                        for i, (side_rank, n) in enumerate(zip(place[name], (a, g),
+                                                               strict=True)):
+                            dtype = (state_wire if state_dtypes is None
+                                     else state_dtypes[step][name][i])
+                            add(step, "inverse_comm", "broadcast", dtype, state_size(n),
                                 0 if side_rank == rank else state_size(n))
         if strategy in ("mem-opt", "dp-kfac"):
             add(step, "grad_comm", "broadcast", precond_dtype, psi,
@@ -253,10 +277,40 @@ def test_simulated_ledger_and_memory_equal_real_ones(p4: list[dict[str, Any]], n
         assert report.ranks[rank].memory == real["memory"], (name, rank)
 
 
+@pytest.mark.parametrize("name", GUARDED_CONFIGS)
+def test_guarded_bf16_state_matches_single_process(p4: list[dict[str, Any]], name: str) -> None:
+    """Owners choose each factor's dtype, receivers follow: the same gradients as one process
+    choosing alike, on every rank."""
+    _check_against_reference([r["runs"][name] for r in p4], name, GUARDED_CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", GUARDED_CONFIGS)
+def test_guarded_bf16_state_keeps_the_rank_deficient_factor_wide(
+        p4: list[dict[str, Any]], name: str) -> None:
+    dtypes = [r["runs"][name]["state_dtypes"] for r in p4]
+    assert all(d == dtypes[0] for d in dtypes), "ranks disagree on a factor's dtype"
+    first, second = dtypes[0][0], dtypes[0][2]  # the two inversions
+    assert first["fc1"] == ["float64", "bfloat16"]
+    assert first["conv"] == first["fc2"] == ["bfloat16", "bfloat16"]
+    assert all(sides == ["bfloat16", "bfloat16"] for sides in second.values())
+
+
+@pytest.mark.parametrize("name", GUARDED_CONFIGS)
+def test_guarded_bf16_ledger_sends_each_factor_in_its_dtype(
+        p4: list[dict[str, Any]], name: str) -> None:
+    for rank, result in enumerate(p4):
+        run = result["runs"][name]
+        expected = _expected_ledger(GUARDED_CONFIGS[name], rank, run["assignment"],
+                                    run["state_dtypes"])
+        assert _summed(run["ledger"]) == expected, (name, rank)
+
+
 @pytest.mark.parametrize("name", ROUND_TRIPS)
 def test_state_dict_round_trip(p2: list[dict[str, Any]], name: str) -> None:
     for result in p2:
         trip = result["round_trips"][name]
+        if P2_CONFIGS[name].get("precondition_dtype_tolerance"):
+            assert trip["wide_state_sides"] > 0  # the checkpoint holds two dtypes
         assert trip["max_difference"] == 0.0
         assert trip["rejected_other_rank"]
         assert trip["ready"] == ["module.conv", "module.fc1", "module.fc2"]

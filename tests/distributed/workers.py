@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from core import KFACPreconditioner
 from core.distributed import average_gradients
+from core.inverse import SIDES
 from core.strategy import Strategy
 from tests.distributed.helpers import local_rows, make_data, make_model
 
@@ -21,7 +22,7 @@ STEPS = 3
 #: Options that change the mathematics (the rest only change who does what).
 MATH_OPTIONS = ("damping", "factor_decay", "inv_update_steps", "kl_clip", "lr",
                 "inverse_method", "damping_split", "factor_scaling", "factor_dtype",
-                "inverse_dtype", "precondition_dtype")
+                "inverse_dtype", "precondition_dtype", "precondition_dtype_tolerance")
 
 Grads = dict[str, Tensor | None]
 
@@ -86,7 +87,7 @@ def train_and_compare(rank: int, world_size: int, options: dict[str, Any], *, dd
     owners = ({layer.name.removeprefix(prefix): pre.strategy.owner(layer)  # type: ignore[attr-defined]
                for layer in pre.layers} if dp_kfac else {})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    errors, global_errors, kl_scales = [], [], []
+    errors, global_errors, kl_scales, state_dtypes = [], [], [], []
     for _ in range(STEPS):
         params = {k: v.clone() for k, v in model.state_dict().items()}
         model.zero_grad()
@@ -107,11 +108,15 @@ def train_and_compare(rank: int, world_size: int, options: dict[str, Any], *, dd
         errors.append(_relative_error(_grads(model), expected))
         global_errors.append(_relative_error(_grads(model), global_batch))
         kl_scales.append(pre.last_kl_scale)
+        state_dtypes.append({layer.name.removeprefix(prefix): [
+            str(layer.state.side_dtype(side)).removeprefix("torch.") for side in SIDES]
+            for layer in pre.layers if layer.state is not None})
         optimizer.step()
     return {
         "errors": errors,
         "global_batch_errors": global_errors,
         "kl_scales": kl_scales,
+        "state_dtypes": state_dtypes,
         "final_grads": _grads(model),
         "ledger": [e.as_tuple() for e in pre.strategy.communicator.ledger.entries],
         "assignment": pre.strategy.assignment.as_rows(),  # type: ignore[attr-defined]
@@ -148,6 +153,7 @@ def state_dict_round_trip(rank: int, world_size: int, options: dict[str, Any]
 
     first = build()
     train(first, 3)
+    wide_at_save = first[2].metrics().get("wide_state_sides", 0)
     buffer = io.BytesIO()
     torch.save({"model": first[0].state_dict(), "pre": first[2].state_dict(),
                 "optimizer": first[3].state_dict()}, buffer)
@@ -168,7 +174,8 @@ def state_dict_round_trip(rank: int, world_size: int, options: dict[str, Any]
         rejected = False
     except ValueError:
         rejected = True
-    return {"max_difference": max(_relative_error(g, e) for g, e in zip(got, expected,
+    return {"wide_state_sides": wide_at_save,
+            "max_difference": max(_relative_error(g, e) for g, e in zip(got, expected,
                                                                           strict=True)),
             "ready": saved["pre"]["strategy"]["ready"],
             "rejected_other_rank": rejected}

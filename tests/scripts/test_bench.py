@@ -124,3 +124,18 @@ def test_rates_keep_the_faster_of_two_measurements_per_kind_and_size() -> None:
     assert best.cholesky == {256: 3.5} and best.trsm == {256: 7.0}
     assert best.bandwidth == 9.0 and best.gemm_bf16 == {256: 9.0}
     assert "| bf16 GEMM GFLOP/s |" in bench.rates_table(best)
+
+
+def test_each_factor_product_counts_at_the_rate_of_the_dtype_its_state_is_kept_in() -> None:
+    """A bf16 state whose ``A`` the tolerance kept fp32: the ``G`` product (``2g²a`` FLOPs)
+    at the bf16 GEMM rate, the ``A`` product (``2ga²``) at the fp32 one."""
+    rates = bench.Rates({64: 1e9}, {64: 1.0}, {64: 1.0}, {64: 1.0}, {64: 1.0},
+                        bandwidth=1e15, gemm_bf16={64: 4e9})
+    method = next(m for m in bench.METHODS if m.name == "kfac-inverse-bf16")
+    g, a = 64, 128
+    mixed = bench.LayerShape(a, g, rows=10, captured=10, a_word=4, g_word=2)
+    rounded = bench.LayerShape(a, g, rows=10, captured=10, a_word=2, g_word=2)
+    bound = bench.stage_bounds(method, [mixed], rates)["plain"]["precondition"]
+    assert bound == pytest.approx(2 * g * g * a / 4e9 + 2 * g * a * a / 1e9)
+    assert bench.stage_bounds(method, [rounded], rates)["plain"]["precondition"] == \
+        pytest.approx(2 * g * a * (g + a) / 4e9)

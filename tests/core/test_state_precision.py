@@ -1,0 +1,195 @@
+"""The per-factor precision of a narrow second-order state (``precondition_dtype_tolerance``):
+the rounding check against dense float64 products, and what the preconditioner keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from core import KFACPreconditioner
+from core.config import ConfigError
+from core.inverse import (
+    PROBE_VECTORS,
+    SIDES,
+    apply_side,
+    damped_cholesky,
+    damped_inverse,
+    eigen_decompose,
+    kept_dtype,
+    make_state,
+    precondition,
+    probe_vectors,
+    rounding_error,
+)
+from tests.core.reference import dense_inverse_precondition
+
+
+def spd(n: int, rows: int, seed: int) -> Tensor:
+    """``(1/rows) Σ x xᵀ`` of ``rows`` random vectors: rank ``min(n, rows)``, in float64."""
+    x = torch.randn(n, rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return x @ x.T / rows
+
+
+def side_tensors(kind: str, factor: Tensor, shift: float) -> list[Tensor]:
+    if kind == "eigen":
+        return list(eigen_decompose(factor, torch.float64))
+    if kind == "cholesky_solve":
+        return [damped_cholesky(factor, shift, torch.float64)]
+    return [damped_inverse(factor, shift, "inverse", torch.float64)]
+
+
+@pytest.mark.parametrize("kind", ["inverse", "cholesky_solve", "eigen"])
+def test_apply_side_is_the_damped_inverse_times_x(kind: str) -> None:
+    factor, shift = spd(7, 4, seed=0), 0.3
+    x = torch.randn(7, 3, dtype=torch.float64)
+    expected = torch.linalg.inv(factor + shift * torch.eye(7, dtype=torch.float64)) @ x
+    torch.testing.assert_close(apply_side(side_tensors(kind, factor, shift), kind, shift, x),
+                               expected)
+
+
+def test_rounding_error_is_the_relative_error_of_the_rounded_product() -> None:
+    factor, shift = spd(9, 20, seed=1), 0.1
+    inverse = torch.linalg.inv(factor + shift * torch.eye(9, dtype=torch.float64))
+    x = torch.randn(9, 4, dtype=torch.float64)
+    exact = inverse @ x
+    rounded = (inverse.bfloat16() @ x.bfloat16()).double()
+    expected = float((rounded - exact).norm() / exact.norm())
+    got = rounding_error([inverse], "inverse", shift, x, torch.bfloat16)
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert 0 < got < 2**-6  # a well-conditioned factor: a few roundings' worth
+    assert rounding_error([inverse], "inverse", shift, torch.zeros(9, 2, dtype=torch.float64),
+                          torch.bfloat16) == 0.0
+
+
+def test_rounding_loses_the_product_of_a_rank_deficient_factor_under_small_damping() -> None:
+    """Fewer rows than the width: the gradient lives in the rows' span, where the inverse is
+    moderate, but the inverse holds ``1/λ`` entries in the other directions, and rounding
+    noise in the operand excites them."""
+    n, rows, shift = 48, 6, 1e-4
+    x = torch.randn(n, rows, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    factor = x @ x.T / rows
+    grad_rows = x @ torch.randn(rows, 5, dtype=torch.float64)  # in the span of the inputs
+    for kind in ("inverse", "eigen"):
+        error = rounding_error(side_tensors(kind, factor, shift), kind, shift, grad_rows,
+                               torch.bfloat16)
+        assert error > 0.5, kind
+
+
+def test_probe_vectors_are_evenly_spaced_gradient_rows_or_columns() -> None:
+    grad = torch.arange(5 * 200, dtype=torch.float32).reshape(5, 200)
+    g_probe = probe_vectors(grad, "g")  # columns, multiplied by G⁻¹ on the left
+    assert g_probe.shape == (5, PROBE_VECTORS)
+    torch.testing.assert_close(g_probe, grad[:, ::200 // PROBE_VECTORS][:, :PROBE_VECTORS])
+    a_probe = probe_vectors(grad, "a")  # rows, multiplied by A⁻¹ on the right
+    torch.testing.assert_close(a_probe, grad.T)  # 5 rows: all of them
+
+
+def test_kept_dtype_rounds_within_the_tolerance_and_keeps_the_rest() -> None:
+    factor, shift = spd(48, 6, seed=3), 1e-4
+    inverse = side_tensors("inverse", factor, shift)
+    grad = torch.randn(3, 6, dtype=torch.float64) @ torch.randn(6, 48, dtype=torch.float64)
+    error = rounding_error(inverse, "inverse", shift, probe_vectors(grad, "a"), torch.bfloat16)
+    narrow = torch.bfloat16
+    assert kept_dtype(inverse, "inverse", shift, grad, "a", narrow, error * 1.01) == narrow
+    assert kept_dtype(inverse, "inverse", shift, grad, "a", narrow, error * 0.99) \
+        == torch.float64
+
+
+@pytest.mark.parametrize("kind", ["inverse", "eigen"])
+@pytest.mark.parametrize("wide", ["a", "g"])
+def test_a_state_with_sides_of_two_dtypes_applies_the_wide_side_first(kind: str,
+                                                                      wide: str) -> None:
+    """``P`` with one factor kept in float64 and the other rounded stays within bf16 rounding
+    of the dense product, and the wide factor multiplies the unrounded gradient: its
+    operand never carries the narrow side's rounding, which it would amplify."""
+    a, g, damping = spd(6, 10, seed=4), spd(4, 10, seed=5), 0.2
+    grad = torch.randn(4, 6, dtype=torch.float64)
+    ta, tg = side_tensors(kind, a, damping), side_tensors(kind, g, damping)
+    exact = precondition(grad, make_state(kind, [*ta, *tg]), damping)
+    torch.testing.assert_close(exact, dense_inverse_precondition(grad, a, g, damping, damping)
+                               if kind == "inverse" else exact)
+    state = make_state(kind, [*ta, *tg])
+    state.convert_side("g" if wide == "a" else "a", torch.bfloat16)
+    p = precondition(grad, state, damping).double()
+    assert 0 < float((p - exact).norm() / exact.norm()) < 2**-6
+    if kind == "inverse":
+        a_inv, g_inv = ta[0], tg[0]
+        by_hand = ((g_inv.bfloat16() @ (grad @ a_inv).bfloat16()) if wide == "a"
+                   else (g_inv @ grad).bfloat16() @ a_inv.bfloat16())
+        torch.testing.assert_close(p, by_hand.double(), rtol=0, atol=0)
+
+
+def rank_deficient_classifier() -> nn.Module:
+    """A convolution, then a classifier whose 65-wide input factor sees 4 rows per batch
+    (and whose 3-wide output factor has softmax's null vector)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(64, 3))
+
+
+def guarded_step(tolerance: float | None) -> tuple[KFACPreconditioner, dict[str, Tensor],
+                                                    dict[str, Tensor]]:
+    """One step with bf16 states; returns the preconditioner, and per layer ``P`` and the
+    exact (fp32 state) ``P``."""
+    model = rank_deficient_classifier()
+    options = {"inverse_method": "inverse", "damping": 1e-4, "kl_clip": None}
+    precond = KFACPreconditioner(model, precondition_dtype="bfloat16",
+                                 precondition_dtype_tolerance=tolerance, **options)
+    x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([0, 1, 2, 0])
+    nn.functional.cross_entropy(model(x), y).backward()
+    raw = {layer.name: layer.helper.grad_matrix().clone() for layer in precond.layers}
+    precond.step()
+    exact = {}
+    for layer in precond.layers:
+        assert layer.a.value is not None and layer.g.value is not None
+        exact[layer.name] = dense_inverse_precondition(
+            raw[layer.name].double(), layer.a.value.double(), layer.g.value.double(), 1e-4,
+            1e-4)
+    new = {layer.name: layer.helper.grad_matrix().double() for layer in precond.layers}
+    return precond, new, exact
+
+
+def relative(a: Tensor, b: Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_the_tolerance_keeps_the_rank_deficient_factor_in_fp32_and_its_product_accurate() -> None:
+    rounded, new_rounded, exact = guarded_step(None)
+    guarded, new_guarded, _ = guarded_step(0.05)
+    assert relative(new_rounded["3"], exact["3"]) > 0.3  # every factor rounded: digits lost
+    assert relative(new_guarded["3"], exact["3"]) < 0.05
+    dtypes = {layer.name: [layer.state.side_dtype(s) for s in SIDES]  # type: ignore[union-attr]
+              for layer in guarded.layers}
+    assert dtypes == {"0": [torch.bfloat16, torch.bfloat16],
+                      "3": [torch.float32, torch.float32]}
+    assert guarded.metrics()["wide_state_sides"] == 2
+    assert rounded.metrics()["wide_state_sides"] == 0
+    assert relative(new_guarded["0"], exact["0"]) < 0.05  # the convolution stays rounded
+    # the kept factor costs its fp32 bytes
+    usage = guarded.memory_usage()["inverses"] - rounded.memory_usage()["inverses"]
+    assert usage == (65 * 65 + 3 * 3) * 2
+
+
+def test_a_checkpoint_keeps_each_factor_in_the_dtype_it_was_kept_in() -> None:
+    saved, _, _ = guarded_step(0.05)
+    loaded = KFACPreconditioner(rank_deficient_classifier(), inverse_method="inverse",
+                                precondition_dtype="bfloat16")
+    loaded.load_state_dict(saved.state_dict())
+    for before, after in zip(saved.layers, loaded.layers, strict=True):
+        for a, b in zip(before.state.tensors(), after.state.tensors(),  # type: ignore[union-attr]
+                        strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    # without the state dtype recorded (an older checkpoint), every side is converted
+    old = {k: v for k, v in saved.state_dict().items() if k != "state_dtype"}
+    loaded.load_state_dict(old)
+    assert all(t.dtype == torch.bfloat16 for layer in loaded.layers
+               for t in layer.state.tensors())  # type: ignore[union-attr]
+
+
+def test_the_tolerance_must_be_a_non_negative_number() -> None:
+    for bad in (-0.1, "0.05", float("nan")):
+        with pytest.raises(ConfigError, match="precondition_dtype_tolerance"):
+            KFACPreconditioner(rank_deficient_classifier(), precondition_dtype="bfloat16",
+                               precondition_dtype_tolerance=bad)
