@@ -103,6 +103,8 @@ class OsawaConfig:
         strategy: Distribution strategy of K-FAC across processes (``osawa`` = the paper's).
         precondition_dtype: dtype of the inverses (``bfloat16``: half the memory and fast
             products on bf16 hardware; None: fp32, the paper's), see ``core.KFACConfig``.
+        precondition_dtype_tolerance: with ``precondition_dtype``, the product error above
+            which a factor stays fp32 (None: every factor rounded), see ``core.KFACConfig``.
         assignment: Layer-to-rank policy: ``contiguous`` (chainerkfac's ``np.array_split`` of
             the layers in model order), ``greedy`` (cost-balanced) or ``round-robin``.
         mixup_alpha: Beta parameter of running mixup; 0 disables mixup.
@@ -142,6 +144,7 @@ class OsawaConfig:
     bn_damping_scale: float = 64.0
     strategy: str = "osawa"
     precondition_dtype: str | None = None
+    precondition_dtype_tolerance: float | None = 0.05
     assignment: str = "contiguous"
     mixup_alpha: float = 0.4
     running_mixup: bool = True

@@ -92,7 +92,8 @@ class OsawaTrainer:
                 factor_update_steps=self.intervals, inv_update_steps=self.intervals,
                 kl_clip=None, accumulation_steps=self.accumulation_steps,
                 strategy=config.strategy, assignment=config.assignment,
-                precondition_dtype=config.precondition_dtype)
+                precondition_dtype=config.precondition_dtype,
+                precondition_dtype_tolerance=config.precondition_dtype_tolerance)
             if config.bn_fisher != "none":
                 self.bn = BatchNormPreconditioner(
                     self.net, mode=config.bn_fisher,
