@@ -195,21 +195,27 @@ class KFACPreconditioner:
             return
 
         inverting = update_due("inv_update_steps", cfg.inv_update_steps, step)
-        # On a step that keeps its inverses, the factor collectives run while this step's
-        # gradients are preconditioned (which does not read the new factors), and the running
-        # averages are updated after them.
+        # Each layer's factors are handed to the reduction as soon as they are built, so the
+        # first buckets travel while later layers' factors are computed. On a step that keeps
+        # its inverses, the rest runs while this step's gradients are preconditioned (which
+        # does not read the new factors), and the running averages are updated after it.
         finish_factors: Callable[[], None] | None = None
         if self._capturing:
             decay = self._hyper("factor_decay", 0.0)
             if strategy.communicates_factors:
+                reduction = (strategy.factor_reduction() if self._enabled("factor_comm")
+                             else None)
                 for layer in self.layers:
                     layer.stage_batch_factors(timer)
-                if self._enabled("factor_comm"):
+                    if reduction is not None:
+                        with timer.stage("factor_comm"):
+                            reduction.add(layer)
+                if reduction is not None:
                     with timer.stage("factor_comm"):
+                        finish_factors = reduction.finish()
                         if inverting:
-                            strategy.reduce_factors(self.layers)
-                        else:
-                            finish_factors = strategy.start_reduce_factors(self.layers)
+                            finish_factors()
+                            finish_factors = None
                 if finish_factors is None:
                     self._update_running_factors(decay)
             else:  # one layer at a time, so one batch factor is alive at once

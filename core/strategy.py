@@ -5,12 +5,12 @@ factors, second-order state and preconditioned gradients between ranks. The base
 single-process case: everything local, nothing moves. The distributed strategies of
 KFAC_MATH.md live in ``core.distributed`` and override these methods.
 
-Contract with the preconditioner (per step, on every rank, in this order): ``reduce_factors``
-on factor-update steps (on one that keeps its inverses, ``start_reduce_factors`` instead, and
-its completion after ``communicate_gradients``); ``inverse_sides`` then
-``communicate_inverses`` on inverse-update steps; ``preconditions`` then
-``communicate_gradients`` every step. Every rank makes the same calls, so
-a strategy may issue collectives in any of them.
+Contract with the preconditioner (per step, on every rank, in this order): on factor-update
+steps, a :meth:`~Strategy.factor_reduction` that receives each layer as soon as its batch
+factors are staged and is then finished (on a step that keeps its inverses, the completion it
+returns runs after ``communicate_gradients``); ``inverse_sides`` then ``communicate_inverses``
+on inverse-update steps; ``preconditions`` then ``communicate_gradients`` every step. Every
+rank makes the same calls, so a strategy may issue collectives in any of them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,37 @@ def nothing_to_wait() -> None:
     """Completes a factor reduction that finished when it was started (or moved nothing)."""
 
 
+class FactorReduction:
+    """One step's batch factors, handed to the strategy layer by layer as each is staged.
+
+    This base collects the layers and, in :meth:`finish`, hands them all to ``move`` (nothing
+    moves without one): what a strategy needs whose collective takes every factor at once. A
+    streaming subclass starts collectives in :meth:`add`, while later layers' factors are still
+    being built.
+
+    Args:
+        move: Starts the reduction of the staged factors of the given layers (in place on
+            ``layer.batch_*``) and returns the call that completes it.
+    """
+
+    def __init__(self, move: Callable[[list[KFACLayer]], Callable[[], None]] | None = None
+                 ) -> None:
+        self.layers: list[KFACLayer] = []
+        self._move = move
+
+    def add(self, layer: KFACLayer) -> None:
+        """``layer``'s batch factors are staged and final."""
+        self.layers.append(layer)
+
+    def finish(self) -> Callable[[], None]:
+        """Start whatever has not started and return the call that completes the reduction.
+
+        Between the two the preconditioner runs work that does not read the new factors (the
+        preconditioning of a step that keeps its inverses), so the collectives overlap it.
+        """
+        return nothing_to_wait if self._move is None else self._move(self.layers)
+
+
 class Strategy:
     """Single-process behaviour; subclasses distribute it.
 
@@ -43,7 +74,7 @@ class Strategy:
     """
 
     name = "local"
-    #: Whether :meth:`reduce_factors` moves batch factors between ranks (if not, the
+    #: Whether :meth:`factor_reduction` moves batch factors between ranks (if not, the
     #: preconditioner builds and blends them one layer at a time).
     communicates_factors = False
 
@@ -77,18 +108,17 @@ class Strategy:
         """Whether this rank captures ``layer``'s activations and gradients."""
         return True
 
+    def factor_reduction(self) -> FactorReduction:
+        """A fresh reduction of this step's batch factors across ranks (nothing moves here)."""
+        return FactorReduction()
+
     def reduce_factors(self, layers: list[KFACLayer]) -> None:
-        """Combine the staged batch factors across ranks (in place on ``layer.batch_*``)."""
-        self.start_reduce_factors(layers)()
-
-    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
-        """Start :meth:`reduce_factors` and return the call that completes it.
-
-        Between the two the preconditioner runs work that does not read the new factors (the
-        preconditioning of a step that keeps its inverses), so the collectives overlap it. A
-        strategy that moves nothing, or cannot split its collective, does everything here.
-        """
-        return nothing_to_wait
+        """Combine the staged batch factors of ``layers`` across ranks, all at once and to
+        completion (in place on ``layer.batch_*``)."""
+        reduction = self.factor_reduction()
+        for layer in layers:
+            reduction.add(layer)
+        reduction.finish()()
 
     def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
         """Which of ``layer``'s factors (``"a"``, ``"g"``) this rank decomposes or inverts."""

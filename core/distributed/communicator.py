@@ -119,6 +119,35 @@ class _Payload:
             offset += n
 
 
+class _Bucketer:
+    """Groups tensors, in the order given, into buffers of consecutive tensors of one dtype up
+    to ``cap_bytes`` each (a tensor larger than the cap travels alone)."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self._open: _Payload | None = None
+        self._size = 0
+
+    def add(self, tensor: Tensor, pack: bool) -> _Payload | None:
+        """Add ``tensor``; returns the bucket it closed (it did not fit there), if any."""
+        nbytes = tensor.numel() * tensor.element_size()
+        closed = None
+        if self._open is not None and (self._open.tensors[0].dtype != tensor.dtype
+                                       or self._size + nbytes > self.cap_bytes):
+            closed = self.close()
+        if self._open is None:
+            self._open, self._size = _Payload([], []), 0
+        self._open.tensors.append(tensor)
+        self._open.packed.append(pack)
+        self._size += nbytes
+        return closed
+
+    def close(self) -> _Payload | None:
+        """The open bucket, if any, now closed."""
+        closed, self._open = self._open, None
+        return closed
+
+
 class Pending:
     """Started collectives; :meth:`wait` completes them and writes the results back."""
 
@@ -210,19 +239,10 @@ class Communicator:
 
     def _buckets(self, tensors: Sequence[Tensor], packed: Sequence[bool]) -> list[_Payload]:
         """Consecutive tensors of one dtype, up to the bucket cap per buffer."""
-        buckets: list[_Payload] = []
-        size = 0
-        for tensor, pack in zip(tensors, packed, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            current = buckets[-1] if buckets else None
-            if (current is None or current.tensors[0].dtype != tensor.dtype
-                    or size + nbytes > self.bucket_cap_bytes):
-                buckets.append(_Payload([], []))
-                size = 0
-            buckets[-1].tensors.append(tensor)
-            buckets[-1].packed.append(pack)
-            size += nbytes
-        return buckets
+        bucketer = _Bucketer(self.bucket_cap_bytes)
+        full = [b for t, p in zip(tensors, packed, strict=True) if (b := bucketer.add(t, p))]
+        last = bucketer.close()
+        return full + ([last] if last else [])
 
     def _pending(self, works: list[Work], payloads: Sequence[_Payload],
                  finish: Callable[[], None], extra: Sequence[Tensor] = ()) -> Pending:
@@ -266,26 +286,33 @@ class Communicator:
             dtype: Wire dtype for floating tensors (their own dtype by default).
             pack: Per tensor (or for all), send the upper triangle of a symmetric matrix.
         """
+        stream = self.stream_all_reduce(stage=stage, average=average, op=op, group=group,
+                                        dtype=dtype)
+        for tensor, packed in zip(tensors, self._flags(pack, len(tensors)), strict=True):
+            stream.add(tensor, pack=packed)
+        return stream.finish()
+
+    def stream_all_reduce(self, *, stage: str, average: bool = False, op: str = "sum",
+                          group: Sequence[int] | None = None, dtype: torch.dtype | None = None
+                          ) -> AllReduceStream:
+        """A bucketed all-reduce fed one tensor at a time (:class:`AllReduceStream`): each
+        bucket starts as soon as it is full, while the caller still computes the next
+        tensors. Same buckets, collectives and ledger as :meth:`start_all_reduce` of the same
+        tensors; options as there."""
         members = self._group(group)
-        if len(members) == 1 or not tensors:
-            return Pending.done()
         if average and op != "sum":
             raise ValueError(f"average=True needs op='sum', not {op!r}")
-        payloads = self._buckets(tensors, self._flags(pack, len(tensors)))
-        works: list[Work] = []
+        return AllReduceStream(self, members, stage=stage, average=average, op=op, dtype=dtype)
+
+    def _start_bucket(self, payload: _Payload, members: Group, *, stage: str, average: bool,
+                      op: str, dtype: torch.dtype | None) -> list[Work]:
+        """Build one bucket's buffer, record it and start its all-reduce."""
         p = len(members)
-        for payload in payloads:
-            wire = dtype if dtype is not None and payload.tensors[0].is_floating_point() else None
-            flat = payload.build(wire, float(p) if average else None)
-            n = flat.numel()
-            self._record(stage, "all_reduce", flat, n, members, 2 * (p - 1) * n // p)
-            works += self.transport.all_reduce(flat, op, members)
-
-        def finish() -> None:
-            for payload in payloads:
-                payload.unpack()
-
-        return self._pending(works, payloads, finish)
+        wire = dtype if dtype is not None and payload.tensors[0].is_floating_point() else None
+        flat = payload.build(wire, float(p) if average else None)
+        n = flat.numel()
+        self._record(stage, "all_reduce", flat, n, members, 2 * (p - 1) * n // p)
+        return self.transport.all_reduce(flat, op, members)
 
     def all_reduce_many(self, tensors: Sequence[Tensor], **options: Any) -> None:
         """:meth:`start_all_reduce` with ``options``, and wait."""
@@ -396,6 +423,53 @@ class Communicator:
                     payload.unpack()
 
         self._pending(works, payloads, finish).wait()
+
+
+class AllReduceStream:
+    """An all-reduce whose tensors arrive one at a time (from
+    :meth:`Communicator.stream_all_reduce`).
+
+    Tensors are bucketed exactly as :meth:`Communicator.start_all_reduce` buckets them; a
+    bucket's collective starts when the next tensor no longer fits in it, so with an
+    asynchronous backend (NCCL on its own stream, gloo's threads) the first buckets travel
+    while the caller computes the next tensors. A tensor must not change after it is added.
+    """
+
+    def __init__(self, communicator: Communicator, members: Group, *, stage: str,
+                 average: bool, op: str, dtype: torch.dtype | None) -> None:
+        self._communicator = communicator
+        self._members = members
+        self._options: dict[str, Any] = {"stage": stage, "average": average, "op": op,
+                                         "dtype": dtype}
+        self._bucketer = _Bucketer(communicator.bucket_cap_bytes)
+        self._payloads: list[_Payload] = []
+        self._works: list[Work] = []
+
+    def add(self, tensor: Tensor, *, pack: bool = False) -> None:
+        """Queue ``tensor`` (its upper triangle with ``pack``), starting the bucket it closes."""
+        if len(self._members) == 1:
+            return
+        self._start(self._bucketer.add(tensor, pack))
+
+    def _start(self, payload: _Payload | None) -> None:
+        if payload is None:
+            return
+        self._works += self._communicator._start_bucket(payload, self._members,
+                                                        **self._options)
+        self._payloads.append(payload)
+
+    def finish(self) -> Pending:
+        """Start the last bucket; the returned :class:`Pending` completes them all."""
+        self._start(self._bucketer.close())
+        if not self._payloads:
+            return Pending.done()
+        payloads = self._payloads
+
+        def finish() -> None:
+            for payload in payloads:
+                payload.unpack()
+
+        return self._communicator._pending(self._works, payloads, finish)
 
 
 def average_gradients(parameters: Iterable[HasGrad], communicator: Communicator, *,

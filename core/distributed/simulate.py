@@ -183,11 +183,14 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
         finish_factors = None  # the preconditioner's order: see KFACPreconditioner.step
         if update_due("factor_update_steps", config.factor_update_steps, step):
             captured = _stage_factors(strategy, layers, factor_dtype)
+            reduction = strategy.factor_reduction()
+            for layer in layers:
+                reduction.add(layer)
+            finish_factors = reduction.finish()
             if inverting:
-                strategy.reduce_factors(layers)
+                finish_factors()
+                finish_factors = None
                 _keep_factors(layers)
-            else:
-                finish_factors = strategy.start_reduce_factors(layers)
         if inverting:
             _invert(strategy, layers, config.inverse_method, config.state_dtype)
             strategy.communicate_inverses(layers)

@@ -34,10 +34,27 @@ from torch import Tensor
 
 from core.config import ConfigError, KFACConfig
 from core.distributed.assignment import Assignment, LayerWork, Placement, assign
-from core.distributed.communicator import Communicator
+from core.distributed.communicator import AllReduceStream, Communicator
 from core.inverse import SIDES
 from core.kfac_layer import KFACLayer
-from core.strategy import Strategy, nothing_to_wait
+from core.strategy import FactorReduction, Strategy, nothing_to_wait
+
+
+class _StreamedFactorReduction(FactorReduction):
+    """Each layer's staged factors go into an :class:`AllReduceStream` as they come."""
+
+    def __init__(self, stream: AllReduceStream, *, pack: bool) -> None:
+        super().__init__()
+        self._stream = stream
+        self._pack = pack
+
+    def add(self, layer: KFACLayer) -> None:
+        if layer.batch_a is not None and layer.batch_g is not None:
+            self._stream.add(layer.batch_a, pack=self._pack)
+            self._stream.add(layer.batch_g, pack=self._pack)
+
+    def finish(self) -> Callable[[], None]:
+        return self._stream.finish().wait
 
 
 class DistributedStrategy(Strategy):
@@ -126,13 +143,12 @@ class DistributedStrategy(Strategy):
         self.ready = {name: name in ready for name in self.ready}
 
     # Shared communication ----------------------------------------------------------------------
-    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
-        """Start averaging every staged batch factor over all ranks (packed / wire dtype per
-        config): what every strategy but ``osawa`` and ``dp-kfac`` does with factors."""
-        tensors = [t for layer in layers if layer.batch_a is not None and layer.batch_g is not None
-                   for t in (layer.batch_a, layer.batch_g)]
-        return self.communicator.start_all_reduce(tensors, stage="factor_comm", average=True,
-                                                  dtype=self.wire_dtype, pack=self.pack).wait
+    def factor_reduction(self) -> FactorReduction:
+        """Averaging every staged batch factor over all ranks (packed / wire dtype per
+        config), each bucket started as soon as it is full: what every strategy but
+        ``osawa`` and ``dp-kfac`` does with factors."""
+        return _StreamedFactorReduction(self.communicator.stream_all_reduce(
+            stage="factor_comm", average=True, dtype=self.wire_dtype), pack=self.pack)
 
     def _sync_ready(self, layers: list[KFACLayer]) -> dict[str, tuple[torch.dtype, ...]]:
         """Share, per factor, whether its inverting rank holds a good decomposition, and in
@@ -305,9 +321,9 @@ class DPKFACStrategy(KAISAStrategy):
     def captures(self, layer: KFACLayer) -> bool:
         return self.owner(layer) == self.rank
 
-    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
+    def factor_reduction(self) -> FactorReduction:
         """Nothing moves: each owner's factors describe its own local batch."""
-        return nothing_to_wait
+        return FactorReduction()
 
 
 class OsawaStrategy(DistributedStrategy):
@@ -323,8 +339,12 @@ class OsawaStrategy(DistributedStrategy):
     def _owned(self, layers: list[KFACLayer], rank: int) -> list[KFACLayer]:
         return [layer for layer in layers if self.owner(layer) == rank]
 
-    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
-        """The reduce-scatter to the owners, completed here (one uneven collective)."""
+    def factor_reduction(self) -> FactorReduction:
+        """The reduce-scatter to the owners (one uneven collective of every layer's factors,
+        completed when the reduction is finished)."""
+        return FactorReduction(self._reduce_scatter_factors)
+
+    def _reduce_scatter_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
         staged = [layer for layer in layers
                   if layer.batch_a is not None and layer.batch_g is not None]
         segments = [[t for layer in self._owned(staged, r)

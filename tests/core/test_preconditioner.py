@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from core import ConfigError, KFACConfig, KFACPreconditioner
 from core.kfac_layer import KFACLayer
-from core.strategy import Strategy
+from core.strategy import FactorReduction, Strategy
 
 
 def mlp(inplace: bool = False) -> nn.Module:
@@ -316,12 +316,24 @@ class _RecordingStrategy(Strategy):
         super().__init__()
         self.log: list[str] = []
 
-    def reduce_factors(self, layers: list[KFACLayer]) -> None:
-        self.log.append("reduce")
+    def setup(self, layers: list[KFACLayer], *, method: str, dtype: torch.dtype) -> None:
+        self.layers = layers
 
-    def start_reduce_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
-        self.log.append("start")
-        return lambda: self.log.append("finish")
+    def factor_reduction(self) -> FactorReduction:
+        log, layers = self.log, self.layers
+
+        class Logged(FactorReduction):
+            def add(self, layer: KFACLayer) -> None:
+                assert layer.batch_a is not None and layer.batch_g is not None  # staged
+                later = layers[layers.index(layer) + 1:]
+                assert all(x.batch_a is None for x in later)  # before the next is built
+                log.append(f"add {layer.name}")
+
+            def finish(self) -> Callable[[], None]:
+                log.append("finish")
+                return lambda: log.append("complete")
+
+        return Logged()
 
     def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
         self.log.append("gradients")
@@ -329,9 +341,10 @@ class _RecordingStrategy(Strategy):
 
 def test_factor_collectives_overlap_the_preconditioning_of_a_step_that_keeps_its_inverses(
         ) -> None:
-    """Inverses every 2 steps, factors every step: on step 1 the factors' reduction starts
-    before the gradients are preconditioned and moved, completes after, and the running
-    factors end as they do when everything runs in order."""
+    """Inverses every 2 steps, factors every step: each layer goes to the reduction once its
+    factors are staged; on step 1 the reduction completes after the gradients are
+    preconditioned and moved, and the running factors end as they do when everything runs
+    in order."""
     torch.manual_seed(1)
     data = [(torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64))
             for _ in range(3)]
@@ -347,9 +360,10 @@ def test_factor_collectives_overlap_the_preconditioning_of_a_step_that_keeps_its
         results.append(([(layer.a.value, layer.g.value) for layer in precond.layers],
                         [p.grad.clone() for p in model.parameters()]))
         if strategy is not None:
-            assert strategy.log == ["reduce", "gradients",           # step 0 inverts
-                                    "start", "gradients", "finish",  # step 1 keeps them
-                                    "reduce", "gradients"]           # step 2 inverts
+            adds = [f"add {layer.name}" for layer in precond.layers]
+            assert strategy.log == [*adds, "finish", "complete", "gradients",  # step 0 inverts
+                                    *adds, "finish", "gradients", "complete",  # step 1 keeps
+                                    *adds, "finish", "complete", "gradients"]  # step 2 inverts
     (factors, grads), (expected_factors, expected_grads) = results
     for (a, g), (a_ref, g_ref) in zip(factors, expected_factors, strict=True):
         torch.testing.assert_close(a, a_ref, rtol=0, atol=0)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from core.distributed import Communicator, average_gradients
+from core.distributed.transport import SimulatedTransport
 
 
 def _symmetric(n: int) -> torch.Tensor:
@@ -116,3 +117,47 @@ def test_which_strategies_move_preconditioned_gradients() -> None:
         assert strategy.moves_gradients is moves, name
         assert make_strategy(config, Communicator.simulated(0, 1)).moves_gradients is False
     assert Strategy().moves_gradients is False
+
+
+class _SpyTransport(SimulatedTransport):
+    """A simulated transport that logs when each all-reduce starts and how big it is."""
+
+    def __init__(self, rank: int, world_size: int, log: list[str]) -> None:
+        super().__init__(rank, world_size)
+        self.log = log
+
+    def all_reduce(self, flat: torch.Tensor, op: str, group: tuple[int, ...]) -> list:
+        self.log.append(f"start {flat.numel()}")
+        return super().all_reduce(flat, op, group)
+
+
+def test_a_streamed_all_reduce_starts_each_bucket_once_full_with_the_same_buckets() -> None:
+    """Tensors of 40 bytes under a 100-byte cap: a bucket starts when the third tensor does
+    not fit, before the caller has built the rest; the ledger and the results equal the
+    all-at-once call's."""
+    tensors = [torch.full((10,), float(i)) for i in range(5)]
+    log: list[str] = []
+    streamed = Communicator(_SpyTransport(0, 2, log), bucket_cap_mb=100 / 2**20)
+    stream = streamed.stream_all_reduce(stage="factor_comm", average=True)
+    copies = [t.clone() for t in tensors]
+    for i, tensor in enumerate(copies):
+        log.append(f"add {i}")
+        stream.add(tensor)
+    stream.finish().wait()
+    assert log == ["add 0", "add 1", "add 2", "start 20", "add 3", "add 4", "start 20",
+                   "start 10"]
+    at_once = Communicator.simulated(0, 2, bucket_cap_mb=100 / 2**20)
+    expected = [t.clone() for t in tensors]
+    at_once.all_reduce_many(expected, stage="factor_comm", average=True)
+    assert streamed.ledger.entries == at_once.ledger.entries
+    for got, want in zip(copies, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_streamed_all_reduce_in_a_world_of_one_moves_and_records_nothing() -> None:
+    comm = Communicator.simulated(0, 1)
+    stream = comm.stream_all_reduce(stage="factor_comm", average=True)
+    t = torch.ones(3)
+    stream.add(t)
+    stream.finish().wait()
+    assert torch.equal(t, torch.ones(3)) and comm.ledger.entries == []
