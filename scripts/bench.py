@@ -17,7 +17,9 @@ One run measures, for each workload (model, batch, first-order base optimizer):
 How a step is amortized: each method runs a fixed pattern of update steps (factors captured and
 inverses recomputed) and plain steps (precondition only), with a warm-up update and plain step
 first (peak memory is measured on those two). Every step of a method follows a step of the base
-optimizer on its own copy of the model, and ratios are medians of these adjacent pairs. For an
+optimizer on its own copy of the model, and ratios are medians of these adjacent pairs. Each
+method runs in a fresh process with its own base (``--in-process`` runs them one after another
+in this one), so what one method leaves in the allocator cannot move the next one's figures. For an
 interval ``N`` the amortized step is ``(T_update + (N - 1) T_plain) / N`` with the median ``T``
 of each kind (ratios and per-stage times are amortized the same way).
 
@@ -43,6 +45,7 @@ import ctypes
 import gc
 import json
 import math
+import multiprocessing
 import os
 import platform
 import statistics
@@ -660,6 +663,53 @@ def record_shapes(model: nn.Module, names: Sequence[str], average_positions: boo
     return rows, handles
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """What one method's measurement needs, by name (picklable for a fresh process).
+
+    Attributes:
+        workload: Name in :data:`WORKLOADS`. rounds: Its rounds (None: the workload's).
+        method: Name in :data:`METHODS`. device: Torch device string. threads: Torch threads.
+        autocast: bf16 autocast for the forward and backward (GPU).
+    """
+
+    workload: str
+    rounds: int | None
+    method: str
+    device: str
+    threads: int
+    autocast: bool
+
+    def resolve(self) -> tuple[Workload, Method]:
+        workload = WORKLOADS[self.workload]
+        if self.rounds is not None:
+            workload = Workload(**{**workload.__dict__, "rounds": self.rounds})
+        return workload, next(m for m in METHODS if m.name == self.method)
+
+
+def measure_method(spec: RunSpec) -> tuple[MethodRun, int]:
+    """A method's run on a workload and the peak memory of the base optimizer's first steps,
+    both in this process (which :func:`measure_isolated` makes a fresh one)."""
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    workload, method = spec.resolve()
+    clock, memory = Clock(device), MemoryProbe(device)
+
+    def autocast() -> AbstractContextManager[Any]:
+        return bf16_autocast(device) if spec.autocast else nullcontext()
+
+    base, base_peak = run_base(workload, device, memory, autocast)
+    return run_method(workload, method, base, device, clock, memory, autocast), base_peak
+
+
+def measure_isolated(spec: RunSpec) -> tuple[MethodRun, int]:
+    """:func:`measure_method` in a fresh process, so what earlier methods left behind (heap
+    fragmentation, huge pages held, allocator caches, a warmed-up GPU allocator) cannot move
+    this method's time or memory, and every method starts as a user's training run does."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(measure_method, (spec,))
+
+
 # Lower bounds --------------------------------------------------------------------------------
 def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
                  ) -> dict[str, dict[str, float]]:
@@ -1002,6 +1052,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-autocast", action="store_true",
                         help="on a GPU, run the forward and backward in fp32")
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
+    parser.add_argument("--in-process", action="store_true",
+                        help="measure every method in this process, one after another, "
+                             "instead of each in a fresh one (faster to start; what earlier "
+                             "methods leave in the allocator then moves later ones)")
     parser.add_argument("--peer-kaisa", type=float, default=3.17,
                         help="KAISA's step every 10 over SGD's, measured here with its public "
                              "code by scripts/measure_peer_kaisa.py (docs/peers.md; the issue "
@@ -1021,12 +1075,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    clock, memory = Clock(device), MemoryProbe(device)
+    clock = Clock(device)
     use_autocast = device.type == "cuda" and not args.no_autocast
-
-    def autocast() -> AbstractContextManager[Any]:
-        return bf16_autocast(device) if use_autocast else nullcontext()
-
     names = args.workloads or (QUICK if args.quick else FULL)
     methods = [m for m in METHODS if m.name in args.methods]
     peers = Peers({"KAISA": args.peer_kaisa, "DP-KFAC": args.peer_dpkfac,
@@ -1041,31 +1091,36 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     all_rates: dict[str, Rates] = {}
     for name in names:
         workload = WORKLOADS[name]
-        if args.rounds is not None:
-            workload = Workload(**{**workload.__dict__, "rounds": args.rounds})
+
         def rates_now(workload: Workload = workload) -> Rates:
             return measure_rates(sorted({*sizes, largest_factor(workload)}), device, clock,
                                  copy_elements=2**20 if args.quick else 2**26)
 
         before = rates_now()
-        base, base_peak = run_base(workload, device, memory, autocast)
-        raw[name] = {"base_peak_bytes": base_peak, "load_before": os.getloadavg()}
-        runs = {method.name: run_method(workload, method, base, device, clock, memory,
-                                        autocast) for method in methods}
-        del base
+        raw[name] = {"load_before": os.getloadavg()}
+        measured = {}
+        for method in methods:
+            spec = RunSpec(name, args.rounds, method.name, args.device, args.threads,
+                           use_autocast)
+            measured[method.name] = (measure_method(spec) if args.in_process
+                                     else measure_isolated(spec))
+        runs = {m: run for m, (run, _) in measured.items()}
         # A shared machine slows down at times: the rates are the best of two measurements,
         # one before the runs and one after, so a slow spell cannot lower a bound.
         rates = all_rates[name] = before.fastest(rates_now())
         base_steps[name] = statistics.median(t for r in runs.values() for t in r.base_seconds)
         for method in methods:
-            raw[name][method.name] = asdict(runs[method.name])
-            rows += summarise(name, base_peak, method, runs[method.name], rates, args.intervals)
+            run, base_peak = measured[method.name]
+            raw[name][method.name] = asdict(run) | {"base_peak_bytes": base_peak}
+            rows += summarise(name, base_peak, method, run, rates, args.intervals)
         raw[name]["load_after"] = os.getloadavg()
         print(f"[{name} done at {time.perf_counter() - started:.0f} s, load "
               f"{os.getloadavg()[0]:.2f}]", file=sys.stderr, flush=True)
     load["end"] = os.getloadavg()
     goals = targets(rows, peers, 0.0 if device.type == "cuda" else CPU_MEMORY_FLOOR_MB)
     env = environment(device)
+    env["methods measured"] = ("one after another in this process" if args.in_process
+                               else "each in a fresh process")
     tables = {
         "environment": "\n".join(f"- {k}: {v}" for k, v in env.items())
         + f"\n- load average (1, 5, 15 min): start {load['start']}, end {load['end']}"

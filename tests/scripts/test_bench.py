@@ -18,7 +18,7 @@ from scripts import bench
 def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    result = bench.main(["--quick", "--json", str(out)])
+    result = bench.main(["--quick", "--in-process", "--json", str(out)])
     printed = capsys.readouterr().out
     for title in ("environment", "rates", "results", "bounds", "targets"):
         assert f"### {title}" in printed
@@ -41,6 +41,16 @@ def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
             assert row["failures"] == 0, row
     for workload in bench.QUICK:
         assert f"| {workload} | kfac-inverse | 10 |" in printed
+
+
+def test_by_default_each_method_is_measured_in_a_fresh_process() -> None:
+    result = bench.main(["--quick", "--workloads", "tiny-cnn", "--methods", "kfac-inverse",
+                         "--intervals", "10"])
+    assert result["environment"]["methods measured"] == "each in a fresh process"
+    (row,) = result["rows"]
+    assert row["method"] == "kfac-inverse" and row["step_s"] > 0 and row["state_mb"] > 0
+    raw = result["raw"]["tiny-cnn"]["kfac-inverse"]
+    assert raw["base_peak_bytes"] >= 0 and len(raw["seconds"]) == len(raw["kinds"]) > 0
 
 
 def test_amortized_step_and_update_schedule() -> None:
