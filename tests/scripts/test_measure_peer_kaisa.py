@@ -54,6 +54,9 @@ class FakeClock:
         self.now = time.process_time  # our preconditioner's stage timer reads it
         self.kinds = bench.step_kinds(rounds)
         self.calls: dict[int, int] = {}
+        # Steps are counted per trainer by id(); keeping every trainer alive stops a later
+        # block's trainer from reusing a collected one's id (and inheriting its count).
+        self.trainers: list[Any] = []
 
     def time(self, fn: Callable[[], object]) -> float:
         fn()
@@ -62,6 +65,8 @@ class FakeClock:
             return PEER_UPDATE_S if owner.preconditioner.updated else PEER_PLAIN_S
         if owner.optimizer.preconditioner is None:
             return BASE_S
+        if id(owner) not in self.calls:
+            self.trainers.append(owner)
         i = self.calls.get(id(owner), 0)
         self.calls[id(owner)] = i + 1
         return OURS_UPDATE_S if self.kinds[i] == "update" else OURS_PLAIN_S
