@@ -185,15 +185,13 @@ class KFACLayer(PreconditionedLayer):
         narrow = state_dtype or dtype
         if self.state is None:
             self.state = self.empty_state(method, narrow, self.a.value.device)
-        if narrow == dtype or tolerance is None or grad is None:
-            for side, values in parts.items():
-                self.state.set_side(side, values, narrow)
-        else:
-            shifts = dict(zip(SIDES, factor_shifts(self.a.value, self.g.value, damping, split),
-                              strict=True))
-            for side, values in parts.items():
-                self.state.set_side(side, values, kept_dtype(
-                    values, self.state.kind, shifts[side], grad, side, narrow, tolerance))
+        checked = narrow != dtype and tolerance is not None and grad is not None
+        shifts = (dict(zip(SIDES, factor_shifts(self.a.value, self.g.value, damping, split),
+                           strict=True)) if checked else {})
+        for side, values in parts.items():
+            kept = (kept_dtype(values, self.state.kind, shifts[side], grad, side, narrow,
+                               tolerance) if checked else narrow)  # type: ignore[arg-type]
+            self.state.set_side(side, values, kept)
         self.valid_sides.update(parts)
 
     @property

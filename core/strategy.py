@@ -112,14 +112,6 @@ class Strategy:
         """A fresh reduction of this step's batch factors across ranks (nothing moves here)."""
         return FactorReduction()
 
-    def reduce_factors(self, layers: list[KFACLayer]) -> None:
-        """Combine the staged batch factors of ``layers`` across ranks, all at once and to
-        completion (in place on ``layer.batch_*``)."""
-        reduction = self.factor_reduction()
-        for layer in layers:
-            reduction.add(layer)
-        reduction.finish()()
-
     def inverse_sides(self, layer: KFACLayer) -> tuple[str, ...]:
         """Which of ``layer``'s factors (``"a"``, ``"g"``) this rank decomposes or inverts."""
         return SIDES
