@@ -197,6 +197,12 @@ class KFACConfig:
         symmetry_aware: send packed upper triangles of symmetric factors (and inverses).
         comm_dtype: dtype on the wire for factors and inverses (None = storage dtype).
         bucket_cap_mb: largest flat buffer one collective moves, in MB (bucketing), > 0.
+        factors_in_backward: build each layer's batch factors in the backward pass, as soon as
+            the last micro-batch's output gradient of the layer arrives, and hand them to the
+            factor reduction there (KAISA's ``update_factors_in_hook``): with a strategy that
+            all-reduces factors, their buckets travel while the backward pass goes on. Costs
+            memory: batch factors are held while the backward pass still holds activations.
+            The backward passes per step must be ``accumulation_steps``.
     """
 
     damping: Schedulable[float] = 1e-3
@@ -222,6 +228,7 @@ class KFACConfig:
     symmetry_aware: bool = False
     comm_dtype: str | None = None
     bucket_cap_mb: float = 25.0
+    factors_in_backward: bool = False
 
     def __post_init__(self) -> None:
         check_schedulable("damping", self.damping, low=0.0, low_inclusive=False)
@@ -287,6 +294,8 @@ class KFACConfig:
         check_schedulable("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_inclusive=False)
         if callable(self.bucket_cap_mb):
             raise ConfigError("bucket_cap_mb", self.bucket_cap_mb, "a number > 0")
+        if not isinstance(self.factors_in_backward, bool):
+            raise ConfigError("factors_in_backward", self.factors_in_backward, "True or False")
 
     @property
     def state_dtype(self) -> torch.dtype:

@@ -78,6 +78,11 @@ class KFACLayer(PreconditionedLayer):
         """Keep one backward call's output gradient, with the multiplier in force now."""
         self.captured_grads.append((gy, self.grad_multiplier()))
 
+    @property
+    def backward_complete(self) -> bool:
+        """Whether every forward call captured in this micro-step has its output gradient."""
+        return bool(self.captured_inputs) and len(self.captured_grads) == len(self.captured_inputs)
+
     def fold_captures(self, timer: StageTimer | None = None) -> None:
         """Turn the kept tensors into batch factors (added to the pending ones) and drop them.
 

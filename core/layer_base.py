@@ -67,16 +67,21 @@ class PreconditionedLayer:
         raise NotImplementedError
 
 
-def finite_gradients(layers: Sequence[PreconditionedLayer]) -> dict[str, Tensor | None] | None:
+def finite_gradients(layers: Sequence[PreconditionedLayer],
+                     settle: Callable[[], None] | None = None
+                     ) -> dict[str, Tensor | None] | None:
     """The step's gradient matrices ``∇W̄`` by layer name (None where a layer has no gradient).
 
     None instead when any entry is not finite (an AMP overflow, or a diverged step); every
     layer's captures of the step are then discarded, so the statistics stay clean and the
-    caller leaves the gradients raw.
+    caller leaves the gradients raw. ``settle`` runs first: it completes what was already
+    started with them (collectives begun in the backward pass).
     """
     grads = {layer.name: layer.helper.grad_matrix() for layer in layers}
     if all_finite([g for g in grads.values() if g is not None]):
         return grads
+    if settle is not None:
+        settle()
     for layer in layers:
         layer.discard_pending()
     return None

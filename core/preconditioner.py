@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from core.inverse import SIDES, STATE_TYPES, kl_clip_factor, kl_product
 from core.kfac_layer import KFACLayer
 from core.layer_base import check_saved_layers, finite_gradients
 from core.layers import helper_for
-from core.strategy import Strategy
+from core.strategy import FactorReduction, Strategy
 from core.timing import STAGES, StageTimer
 
 
@@ -141,6 +142,11 @@ class KFACPreconditioner:
         self._capturing = self._factor_update_due(0)
         params = list(model.parameters())
         self.timer = StageTimer(device_events=bool(params) and params[0].is_cuda)
+        # factors_in_backward: the reduction its hooks started, the backward passes each layer
+        # has folded and the layers already handed over, this step.
+        self._backward_reduction: FactorReduction | None = None
+        self._folded: dict[str, int] = {}
+        self._handed_over: set[str] = set()
         self._hooks = [self._register(layer) for layer in self.layers]
 
     # Hooks -----------------------------------------------------------------------------------
@@ -149,10 +155,48 @@ class KFACPreconditioner:
         return CaptureHooks(
             layer.helper.module,
             on_input=layer.capture_input,
-            on_grad_output=layer.capture_grad_output,
+            on_grad_output=(partial(self._factors_in_backward, layer)
+                            if self.config.factors_in_backward else layer.capture_grad_output),
             enabled=lambda: (self._capturing and captures
                              and not self.disabled_stages & {"capture", "factors"}),
         )
+
+    def _factors_in_backward(self, layer: KFACLayer, gy: Tensor) -> None:
+        """Capture ``gy``; once ``layer``'s backward pass is complete, build its batch factors,
+        and after the step's last micro-batch hand them to the factor reduction, so the first
+        buckets travel while the backward pass goes on (``factors_in_backward``).
+
+        Raises:
+            RuntimeError: on more backward passes in one step than ``accumulation_steps``
+                (their factors would be left out of the reduction already under way).
+        """
+        layer.capture_grad_output(gy)
+        if not layer.backward_complete:
+            return
+        layer.fold_captures(self.timer)
+        passes = self._folded[layer.name] = self._folded.get(layer.name, 0) + 1
+        expected = self.config.accumulation_steps
+        if passes > expected:
+            raise RuntimeError(
+                f"{layer.name}: backward pass {passes} of one step with accumulation_steps="
+                f"{expected}; with factors_in_backward=True, set accumulation_steps to the "
+                "number of backward passes per preconditioner step")
+        if (passes < expected or not self.strategy.communicates_factors
+                or not self._enabled("factor_comm")):
+            return
+        if self._backward_reduction is None:
+            self._backward_reduction = self.strategy.factor_reduction()
+        layer.stage_batch_factors(self.timer)
+        with self.timer.stage("factor_comm"):
+            self._backward_reduction.add(layer)
+        self._handed_over.add(layer.name)
+
+    def _settle_backward_reduction(self) -> None:
+        """Complete the collectives the backward pass started (before its factors are
+        discarded), as every rank does on the same step."""
+        if self._backward_reduction is not None:
+            with self.timer.stage("factor_comm"):
+                self._backward_reduction.finish()()
 
     def _grad_multiplier(self) -> float:
         """What captured output gradients are multiplied by before they enter ``G``.
@@ -188,7 +232,7 @@ class KFACPreconditioner:
         """Precondition the gradients of this step (call after ``backward``, before the optimizer).
         """
         step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
-        grads = finite_gradients(self.layers)
+        grads = finite_gradients(self.layers, settle=self._settle_backward_reduction)
         if grads is None:  # an AMP overflow (or a diverged step): factors clean, grads raw
             self.skipped_overflow_steps += 1
             self._end_step()
@@ -203,9 +247,11 @@ class KFACPreconditioner:
         if self._capturing:
             decay = self._hyper("factor_decay", 0.0)
             if strategy.communicates_factors:
-                reduction = (strategy.factor_reduction() if self._enabled("factor_comm")
-                             else None)
+                reduction = (self._backward_reduction or strategy.factor_reduction()
+                             if self._enabled("factor_comm") else None)
                 for layer in self.layers:
+                    if layer.name in self._handed_over:  # in the backward pass
+                        continue
                     layer.stage_batch_factors(timer)
                     if reduction is not None:
                         with timer.stage("factor_comm"):
@@ -296,6 +342,9 @@ class KFACPreconditioner:
                 layer.helper.set_grad(p, scale if scale != 1.0 else None)
 
     def _end_step(self) -> None:
+        self._backward_reduction = None
+        self._folded.clear()
+        self._handed_over.clear()
         self.steps += 1
         self._loss_scale_cache = None
         self._capturing = self._factor_update_due(self.steps)

@@ -92,7 +92,8 @@ def train(strategy: str, args: argparse.Namespace, data: tuple[Tensor, Tensor],
     precond = KFACPreconditioner(net, strategy=strategy, damping=args.damping, lr=args.lr,
                                  inv_update_steps=args.inv_update_steps,
                                  symmetry_aware=args.symmetry_aware,
-                                 comm_dtype=args.comm_dtype, **options)
+                                 comm_dtype=args.comm_dtype,
+                                 factors_in_backward=args.factors_in_backward, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     local = args.batch_size // world_size
     if rank == 0:
@@ -149,6 +150,9 @@ def main() -> None:
     parser.add_argument("--inv-update-steps", type=int, default=5)
     parser.add_argument("--symmetry-aware", action="store_true")
     parser.add_argument("--comm-dtype", choices=("float16", "bfloat16"), default=None)
+    parser.add_argument("--factors-in-backward", action="store_true",
+                        help="build factors in the backward hooks and start their all-reduce "
+                             "there (KFACConfig.factors_in_backward)")
     parser.add_argument("--ddp", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the model in DistributedDataParallel (default) or average "
                              "gradients with core.distributed.average_gradients")

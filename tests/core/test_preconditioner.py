@@ -325,8 +325,9 @@ class _RecordingStrategy(Strategy):
         class Logged(FactorReduction):
             def add(self, layer: KFACLayer) -> None:
                 assert layer.batch_a is not None and layer.batch_g is not None  # staged
-                later = layers[layers.index(layer) + 1:]
-                assert all(x.batch_a is None for x in later)  # before the next is built
+                super().add(layer)
+                staged = [x for x in layers if x.batch_a is not None]
+                assert all(x in self.layers for x in staged)  # before the next is built
                 log.append(f"add {layer.name}")
 
             def finish(self) -> Callable[[], None]:
@@ -370,3 +371,84 @@ def test_factor_collectives_overlap_the_preconditioning_of_a_step_that_keeps_its
         torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _train_recorded(strategy: Strategy | None, data: list[tuple[Tensor, Tensor]],
+                    log: list[str] | None = None, **options: object
+                    ) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+    """Running factors and preconditioned gradients after one step per ``(x, y)`` group
+    (micro-batches), with "backward" logged after each backward pass."""
+    model = mlp()
+    precond = KFACPreconditioner(model, factor_dtype="float64", inverse_dtype="float64",
+                                 strategy_impl=strategy, **options)
+    for step in data:
+        model.zero_grad()
+        for x, y in zip(*step, strict=True):
+            backward(model, x, y, scale=1 / len(step[0]))
+            if log is not None:
+                log.append("backward")
+        precond.step()
+    return ([(layer.a.value, layer.g.value) for layer in precond.layers],
+            [p.grad.clone() for p in model.parameters()])
+
+
+def _assert_same(got: tuple, want: tuple) -> None:
+    for a, b in zip(got[0] + [(g,) for g in got[1]], want[0] + [(g,) for g in want[1]],
+                    strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def _steps(count: int, micro: int) -> list[tuple[Tensor, Tensor]]:
+    torch.manual_seed(2)
+    return [(torch.randn(micro, 8, 4, dtype=torch.float64),
+             torch.randn(micro, 8, 3, dtype=torch.float64)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_factors_in_backward_reach_the_reduction_during_the_last_backward_pass(
+        micro: int) -> None:
+    """With ``factors_in_backward`` each layer (last first) is handed over from its backward
+    hook after the step's last micro-batch, the reduction is finished in the step as before,
+    and factors and gradients are bit-identical to building them in the step."""
+    data = _steps(3, micro)
+    strategy = _RecordingStrategy()
+    options = {"inv_update_steps": 2, "accumulation_steps": micro}
+    got = _train_recorded(strategy, data, strategy.log, factors_in_backward=True, **options)
+    adds = [f"add {name}" for name in ("2", "0")]  # the Linear layers, backward order
+    waits = ["backward"] * (micro - 1)
+    assert strategy.log == [*waits, *adds, "backward", "finish", "complete", "gradients",
+                            *waits, *adds, "backward", "finish", "gradients", "complete",
+                            *waits, *adds, "backward", "finish", "complete", "gradients"]
+    _assert_same(got, _train_recorded(_RecordingStrategy(), data, **options))
+    _assert_same(got, _train_recorded(None, data, **options))
+    _assert_same(_train_recorded(None, data, factors_in_backward=True, **options), got)
+
+
+def test_factors_in_backward_refuse_more_backward_passes_than_accumulation_steps() -> None:
+    model = mlp()
+    KFACPreconditioner(model, factors_in_backward=True, strategy_impl=_RecordingStrategy())
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    backward(model, x, y)
+    with pytest.raises(RuntimeError, match="set accumulation_steps to the number of backward"):
+        backward(model, x, y)
+
+
+def test_factors_in_backward_overflow_completes_the_started_reduction_then_skips() -> None:
+    """An AMP overflow found in the step: the collectives the backward pass started are
+    completed (as on every rank), then the step's factors are dropped."""
+    strategy = _RecordingStrategy()
+    model = mlp()
+    precond = KFACPreconditioner(model, factors_in_backward=True, strategy_impl=strategy,
+                                 factor_dtype="float64")
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    backward(model, x, y)
+    model[0].weight.grad[0, 0] = float("inf")
+    precond.step()
+    assert strategy.log == ["add 2", "add 0", "finish", "complete"]
+    assert precond.skipped_overflow_steps == 1
+    assert all(layer.a.value is None and layer.batch_a is None for layer in precond.layers)
+    model.zero_grad()
+    backward(model, x, y)  # the next step starts clean
+    precond.step()
+    assert strategy.log[4:] == ["add 2", "add 0", "finish", "complete", "gradients"]

@@ -56,6 +56,21 @@ GUARDED_CONFIGS: dict[str, dict[str, Any]] = {
                                     "inverse_dtype": "float64",
                                     "precondition_dtype": "bfloat16"},
 }
+#: Factors built and handed to the reduction in the backward hooks, last layer first: the
+#: buckets fill in another order than the simulation's (model order), so these are checked
+#: against the single process and the hand-computed volumes, not the simulated ledger. 1 KB
+#: buckets hold one factor each here, so a bucket starts as soon as its layer is handed over.
+BACKWARD_CONFIGS: dict[str, dict[str, Any]] = {
+    "comm-opt-in-backward": {"strategy": "comm-opt", "factors_in_backward": True,
+                             "bucket_cap_mb": 1e-3},
+    "hybrid-opt-split-in-backward": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5,
+                                     "colocate_factors": False, "factors_in_backward": True,
+                                     "bucket_cap_mb": 1e-3},
+    "osawa-in-backward": {"strategy": "osawa", "symmetry_aware": True,
+                          "assignment": "contiguous", "factors_in_backward": True},
+    "dp-kfac-in-backward": {"strategy": "dp-kfac", "kl_clip": None,
+                            "factors_in_backward": True},
+}
 P2_CONFIGS: dict[str, dict[str, Any]] = {
     "d-kfac": {"strategy": "d-kfac"},
     "comm-opt": {"strategy": "comm-opt"},
@@ -76,6 +91,10 @@ P2_CONFIGS: dict[str, dict[str, Any]] = {
     "comm-opt-bf16-guarded": {"strategy": "comm-opt", "inverse_method": "inverse",
                               "precondition_dtype": "bfloat16",
                               "precondition_dtype_tolerance": 0.01},
+    # Factor buckets (one factor each) started from the backward hooks while DDP's gradient
+    # buckets are too.
+    "comm-opt-in-backward": {"strategy": "comm-opt", "factors_in_backward": True,
+                             "bucket_cap_mb": 1e-3},
 }
 ROUND_TRIPS = {name: P2_CONFIGS[name]
                for name in ("comm-opt", "mem-opt", "osawa", "dp-kfac", "comm-opt-solve-packed",
@@ -91,7 +110,8 @@ BF16_STATE_TOLERANCE = 2e-2
 @pytest.fixture(scope="module")
 def p4() -> list[dict[str, Any]]:
     """Per rank, the results of every P4 configuration, 4 processes, grads averaged by hand."""
-    return run_workers(suite, 4, P4_CONFIGS | GUARDED_CONFIGS, ddp=False, with_unused=False,
+    return run_workers(suite, 4, P4_CONFIGS | GUARDED_CONFIGS | BACKWARD_CONFIGS, ddp=False,
+                       with_unused=False,
                        round_trips={})
 
 
@@ -314,3 +334,43 @@ def test_state_dict_round_trip(p2: list[dict[str, Any]], name: str) -> None:
         assert trip["max_difference"] == 0.0
         assert trip["rejected_other_rank"]
         assert trip["ready"] == ["module.conv", "module.fc1", "module.fc2"]
+
+
+@pytest.mark.parametrize("name", BACKWARD_CONFIGS)
+def test_factors_in_backward_match_single_process(p4: list[dict[str, Any]], name: str) -> None:
+    _check_against_reference([r["runs"][name] for r in p4], name, BACKWARD_CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", BACKWARD_CONFIGS)
+def test_factors_in_backward_move_the_hand_computed_volumes(p4: list[dict[str, Any]],
+                                                            name: str) -> None:
+    """Every collective's elements as by hand; the factor all-reduce in 1 KB buckets, whose
+    traffic is ``2(p−1)/p`` of each bucket's elements (rounded down per bucket, not in
+    total)."""
+    for rank, result in enumerate(p4):
+        run = result["runs"][name]
+        expected = _expected_ledger(BACKWARD_CONFIGS[name], rank, run["assignment"])
+        got = _summed(run["ledger"])
+        assert got.keys() == expected.keys(), (name, rank)
+        for key, (elements, traffic) in expected.items():
+            assert got[key][0] == elements, (name, rank, key)
+            if key[1:3] != ("factor_comm", "all_reduce"):
+                assert got[key][1] == traffic, (name, rank, key)
+        for _, stage, op, _, elements, size, group, traffic in run["ledger"]:
+            if (stage, op) == ("factor_comm", "all_reduce"):
+                assert traffic == 2 * (group - 1) * elements // group * (size // elements)
+
+
+@pytest.mark.parametrize("name", ["comm-opt-in-backward", "hybrid-opt-split-in-backward"])
+def test_factors_in_backward_start_their_all_reduce_before_the_backward_pass_ends(
+        p4: list[dict[str, Any]], name: str) -> None:
+    """The gradients are averaged right after ``backward()``: with ``factors_in_backward``
+    the factor buckets were started before that in every step, in the step itself after it
+    otherwise."""
+    for result in p4:
+        for config, first in ((name, "factor_comm"), (name.removesuffix("-in-backward"),
+                                                      "grad_allreduce")):
+            ledger = result["runs"][config]["ledger"]
+            for step in range(STEPS):
+                stages = [entry[1] for entry in ledger if entry[0] == step]
+                assert stages[0] == first, (config, step, stages)
