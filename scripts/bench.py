@@ -497,6 +497,10 @@ class MethodRun:
         state_bytes: Factor and inverse bytes the method holds (its ``memory_usage``).
         layers: Shapes of the preconditioned layers.
         failures: Decomposition or update failures counted by the method.
+        gemm_checks: FLOP/s of an fp32 GEMM of size ``gemm_check_size`` measured in this
+            run's process before each timed step: what the machine gave while the method ran,
+            to compare with the rates its bounds use (measured apart from it).
+        gemm_check_size: That GEMM's size (0: not measured).
     """
 
     kinds: list[str]
@@ -507,6 +511,8 @@ class MethodRun:
     state_bytes: int
     layers: list[LayerShape]
     failures: int
+    gemm_checks: list[float] = field(default_factory=list)
+    gemm_check_size: int = 0
 
     def _of(self, kind: str, values: Sequence[float]) -> float:
         return statistics.median(v for k, v in zip(self.kinds, values, strict=True) if k == kind)
@@ -595,10 +601,18 @@ def state_bytes(precond: Any) -> int:
     return sum(v for k, v in usage.items() if k in ("factors", "inverses", "vectors"))
 
 
+def gemm_rate(n: int, device: torch.device, clock: Clock, repeats: int) -> float:
+    """FLOP/s of an ``n``-cube fp32 matmul, the best of ``repeats`` calls."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / clock.best(lambda: a @ b, repeats)
+
+
 def run_method(workload: Workload, method: Method, base: Trainer, device: torch.device,
                clock: Clock, memory: MemoryProbe,
-               autocast: Callable[[], AbstractContextManager[Any]]) -> MethodRun:
-    """Train ``workload`` with ``method``, each step right after a step of ``base``."""
+               autocast: Callable[[], AbstractContextManager[Any]],
+               check_size: int = 0) -> MethodRun:
+    """Train ``workload`` with ``method``, each step right after a step of ``base`` (and,
+    with ``check_size``, a GEMM throughput check before each pair)."""
     kinds = step_kinds(workload.rounds)
     updates = frozenset(i for i, kind in enumerate(kinds) if kind == "update")
     trainer = Trainer(workload, method, updates, device, autocast)
@@ -609,7 +623,10 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     built = state_bytes(precond)  # allocated with the method (MKOR's identity inverses)
     memory.start()
     seconds, base_seconds, stages, peak = [], [], [], 0
+    checks = []
     for i in range(len(kinds)):
+        if check_size:
+            checks.append(gemm_rate(check_size, device, clock, repeats=2))
         base_seconds.append(clock.time(base.step))
         warm = i < WARM_STEPS  # memory is measured on the untimed warm-up steps only: its
         if warm:  # probe returns freed heap memory, which timed steps would pay to fault in
@@ -628,7 +645,8 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
                            *state_words(layer, method.state_word))
                 for layer in precond.layers],
         failures=int(metrics.get("decomposition_failures", 0)
-                     + metrics.get("update_failures", 0)))
+                     + metrics.get("update_failures", 0)),
+        gemm_checks=checks[WARM_STEPS:], gemm_check_size=check_size)
 
 
 def state_words(layer: Any, default: int) -> tuple[int, int]:
@@ -671,6 +689,7 @@ class RunSpec:
         workload: Name in :data:`WORKLOADS`. rounds: Its rounds (None: the workload's).
         method: Name in :data:`METHODS`. device: Torch device string. threads: Torch threads.
         autocast: bf16 autocast for the forward and backward (GPU).
+        check_size: Size of the GEMM throughput check before each timed step (0: none).
     """
 
     workload: str
@@ -679,6 +698,7 @@ class RunSpec:
     device: str
     threads: int
     autocast: bool
+    check_size: int = 0
 
     def resolve(self) -> tuple[Workload, Method]:
         workload = WORKLOADS[self.workload]
@@ -699,7 +719,8 @@ def measure_method(spec: RunSpec) -> tuple[MethodRun, int]:
         return bf16_autocast(device) if spec.autocast else nullcontext()
 
     base, base_peak = run_base(workload, device, memory, autocast)
-    return run_method(workload, method, base, device, clock, memory, autocast), base_peak
+    return (run_method(workload, method, base, device, clock, memory, autocast,
+                       spec.check_size), base_peak)
 
 
 def measure_isolated(spec: RunSpec) -> tuple[MethodRun, int]:
@@ -800,6 +821,7 @@ class Row:
     factor_gemm_fraction: float | None
     inversion_fraction: float | None
     failures: int
+    gemm_speed: float | None = None
 
 
 def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rates: Rates,
@@ -823,6 +845,9 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
         x.a_dim**3 + x.g_dim**3 for x in run.layers)
     inversion_s = run.stage_median("update", "inversion")
     dense = method.kind == "kfac"
+    # How fast GEMMs ran in the method's process against the rate the bounds use at that size
+    speed = (statistics.median(run.gemm_checks) / rates.at("gemm", run.gemm_check_size)
+             if run.gemm_checks else None)
     rows = []
     for n in intervals:
         stages = {c: amortize(run.stage_median("update", c), run.stage_median("plain", c), n)
@@ -838,7 +863,7 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
             factor_flops / factor_s / rates.peak_gemm if dense and factor_s > 0 else None,
             decomposition_flops / inversion_s / rates.peak_gemm
             if dense and inversion_s > 0 else None,
-            run.failures))
+            run.failures, speed))
     return rows
 
 
@@ -866,7 +891,7 @@ def results_table(rows: Sequence[Row], base_steps: dict[str, float]) -> str:
 def bound_table(rows: Sequence[Row]) -> str:
     """Per-stage ratio of measured time to its lower bound (capture counted in factors)."""
     header = ["workload", "method", "every", "factors", "inversion", "precondition", "scale",
-              "all work", "factor GEMM / matmul", "inversion / matmul"]
+              "all work", "factor GEMM / matmul", "inversion / matmul", "GEMM in run / rate"]
 
     def ratio(r: Row, stage: str) -> str:
         spent = r.stages_s[stage] + (r.stages_s["capture"] if stage == "factors" else 0.0)
@@ -879,7 +904,7 @@ def bound_table(rows: Sequence[Row]) -> str:
     lines = [[r.workload, r.method, str(r.interval),
               *[ratio(r, s) for s in ("factors", "inversion", "precondition", "scale")],
               f"{r.work_ratio:.2f}", fraction(r.factor_gemm_fraction),
-              fraction(r.inversion_fraction)] for r in rows]
+              fraction(r.inversion_fraction), fraction(r.gemm_speed)] for r in rows]
     return markdown_table(header, lines)
 
 
@@ -1101,7 +1126,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         measured = {}
         for method in methods:
             spec = RunSpec(name, args.rounds, method.name, args.device, args.threads,
-                           use_autocast)
+                           use_autocast, check_size=min(sizes, key=lambda n: abs(n - 1024)))
             measured[method.name] = (measure_method(spec) if args.in_process
                                      else measure_isolated(spec))
         runs = {m: run for m, (run, _) in measured.items()}

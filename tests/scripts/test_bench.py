@@ -32,6 +32,7 @@ def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
                     for n in bench.INTERVALS}
     for row in written["rows"]:
         assert row["step_s"] > 0 and row["ratio"] > 0
+        assert row["gemm_speed"] > 0  # the GEMM check ran in the method's process
         assert set(row["stages_s"]) == set(bench.COLUMNS)
         # Except kfac-solve on the tiny CNN: the first K-FAC step on its batch of 4 scales the
         # activations ~200x, so at the next update the Linear's fp32 A is indefinite by more
