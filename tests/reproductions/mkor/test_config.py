@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import ConfigError
+from core.config import ConfigError, KFACConfig
 from reproductions.mkor.config import (
     CONFIG_DIR,
     PretrainConfig,
@@ -29,6 +29,8 @@ def test_paper_phase2_settings() -> None:
     assert (config.lr, config.warmup, config.weight_decay) == (4e-3, 0.128, 0.01)
     assert config.preconditioner["kfac"]["factor_update_steps"] == 50
     assert config.preconditioner["kfac"]["inv_update_steps"] == 50
+    # KAISA's default: factors built and all-reduced in the backward hooks (valid options)
+    assert KFACConfig(**config.preconditioner["kfac"]).factors_in_backward
     assert config.preconditioner["mkor"]["inv_update_steps"] == 10
     assert config.preconditioner["mkor-h"]["inv_update_steps"] == 10
     assert config.accumulation_steps(64) == 64 and config.micro_batch(64) == 8
