@@ -963,23 +963,29 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
     ``met`` is None when the measurement cannot decide; ``note`` then says why: the state is
     below ``memory_floor_mb``, or a peer is so close to the first-order step that being 1.5x
     faster would need a step faster than the first-order one (then the overhead over that step
-    is compared instead, in a target of its own).
+    is compared instead, in a target of its own). The work targets are judged against the
+    bounds as measured; ``aside`` gives them again at the GEMM throughput the method's own
+    process saw (``Row.gemm_speed``), for reading a run on a machine that slowed down.
     """
     out: list[dict[str, Any]] = []
 
     def add(name: str, values: list[float], limit: float, at_least: bool,
-            undecided: str | None = None, why_not: str | None = None) -> None:
+            undecided: str | None = None, why_not: str | None = None,
+            aside: str | None = None) -> None:
         met = all((v >= limit) if at_least else (v <= limit) for v in values)
         out.append({"target": name, "measured": values, "limit": limit, "at_least": at_least,
                     "met": None if undecided else met,
-                    "note": undecided or (None if met else why_not)})
+                    "note": undecided or (None if met else why_not), "aside": aside})
 
     pairs = dict.fromkeys((r.workload, r.method) for r in rows)
     for workload, method in pairs:
         mine = [r for r in rows if (r.workload, r.method) == (workload, method)]
         every = "/".join(str(r.interval) for r in mine)
+        speeds = [r.gemm_speed for r in mine]
         add(f"{workload} {method}: second-order work / lower bound, every {every}",
-            [r.work_ratio for r in mine], 1.3, False)
+            [r.work_ratio for r in mine], 1.3, False,
+            aside=None if None in speeds else "at the in-run GEMM rate: " + " / ".join(
+                f"{r.work_ratio * speed:.2f}" for r, speed in zip(mine, speeds, strict=True)))
         if not math.isnan(mine[0].memory_ratio):
             noisy = mine[0].state_mb < memory_floor_mb
             add(f"{workload} {method}: memory over base / (factors + inverses)",
@@ -1025,7 +1031,8 @@ def targets(rows: Sequence[Row], peers: Peers, memory_floor_mb: float) -> list[d
 
 
 def targets_table(results: Sequence[dict[str, Any]]) -> str:
-    lines = [[t["target"], " / ".join(f"{v:.2f}" for v in t["measured"]),
+    lines = [[t["target"], " / ".join(f"{v:.2f}" for v in t["measured"])
+              + (f" ({t['aside']})" if t.get("aside") else ""),
               ("≥ " if t["at_least"] else "≤ ") + f"{t['limit']:g}",
               t["note"] if t["met"] is None else "met" if t["met"] else
               "**not met**" + (f": {t['note']}" if t["note"] else "")]
