@@ -233,6 +233,11 @@ class Rates:
         return max(self.gemm.values())
 
 
+def gemm_rate(a: Tensor, b: Tensor, clock: Clock, repeats: int) -> float:
+    """FLOP/s of ``a @ b`` (square), the best of ``repeats`` calls."""
+    return 2 * a.shape[0] ** 3 / clock.best(lambda: a @ b, repeats)
+
+
 def _spd(n: int, device: torch.device) -> Tensor:
     x = torch.randn(n, 2 * n, device=device)
     return x @ x.T / (2 * n) + 1e-3 * torch.eye(n, device=device)
@@ -247,7 +252,7 @@ def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
     for n in sizes:
         repeats_n = 5 if n <= 1024 else 3 if n <= 2048 else 1
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        gemm[n] = 2 * n**3 / clock.best(lambda a=a, b=b: a @ b, repeats_n)
+        gemm[n] = gemm_rate(a, b, clock, repeats_n)
         low_a, low_b = a.bfloat16(), b.bfloat16()
         gemm_bf16[n] = 2 * n**3 / clock.best(lambda a=low_a, b=low_b: a @ b, repeats_n)
         spd = _spd(n, device)
@@ -601,12 +606,6 @@ def state_bytes(precond: Any) -> int:
     return sum(v for k, v in usage.items() if k in ("factors", "inverses", "vectors"))
 
 
-def gemm_rate(n: int, device: torch.device, clock: Clock, repeats: int) -> float:
-    """FLOP/s of an ``n``-cube fp32 matmul, the best of ``repeats`` calls."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n**3 / clock.best(lambda: a @ b, repeats)
-
-
 def run_method(workload: Workload, method: Method, base: Trainer, device: torch.device,
                clock: Clock, memory: MemoryProbe,
                autocast: Callable[[], AbstractContextManager[Any]],
@@ -624,9 +623,10 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     memory.start()
     seconds, base_seconds, stages, peak = [], [], [], 0
     checks = []
+    check = [torch.randn(check_size, check_size, device=device) for _ in range(2)]
     for i in range(len(kinds)):
         if check_size:
-            checks.append(gemm_rate(check_size, device, clock, repeats=2))
+            checks.append(gemm_rate(*check, clock, repeats=2))
         base_seconds.append(clock.time(base.step))
         warm = i < WARM_STEPS  # memory is measured on the untimed warm-up steps only: its
         if warm:  # probe returns freed heap memory, which timed steps would pay to fault in
