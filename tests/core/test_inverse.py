@@ -144,7 +144,15 @@ def test_eigen_decompose_retries_in_fp64(monkeypatch: pytest.MonkeyPatch) -> Non
     torch.testing.assert_close(d, torch.full((3,), 2.0))
 
 
-def test_cholesky_of_indefinite_factor_raises_decomposition_error() -> None:
+@pytest.fixture(params=["in-place", "out-of-place"])
+def inversion_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both paths of :func:`damped_inverse`: the CPU's in-place LAPACK one and the
+    out-of-place one other devices take."""
+    monkeypatch.setattr("core.inverse.HOST_IN_PLACE", request.param == "in-place")
+    return str(request.param)
+
+
+def test_cholesky_of_indefinite_factor_raises_decomposition_error(inversion_path: str) -> None:
     indefinite = torch.diag(torch.tensor([1.0, -5.0]))
     with pytest.raises(DecompositionError, match="cholesky"):
         damped_inverse(indefinite, 0.1, "cholesky", torch.float32)
@@ -153,7 +161,8 @@ def test_cholesky_of_indefinite_factor_raises_decomposition_error() -> None:
 
 
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
-def test_inverse_method_falls_back_to_lu_when_not_positive_definite(layout: str) -> None:
+def test_inverse_method_falls_back_to_lu_when_not_positive_definite(layout: str,
+                                                                    inversion_path: str) -> None:
     indefinite = torch.tensor([[1.0, 2.0, 0.0], [2.0, 1.0, 0.5], [0.0, 0.5, 3.0]],
                               dtype=torch.float64)
     if layout == "column-major":
@@ -164,7 +173,7 @@ def test_inverse_method_falls_back_to_lu_when_not_positive_definite(layout: str)
     assert torch.equal(inv, inv.T)
 
 
-def test_factor_inverses_are_exactly_symmetric() -> None:
+def test_factor_inverses_are_exactly_symmetric(inversion_path: str) -> None:
     torch.manual_seed(5)
     x = torch.randn(50, 40, dtype=torch.float64)
     factor = x.T @ x / 50

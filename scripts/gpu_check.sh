@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for a session lent a GPU for a few minutes (no network there):
+#   1. the device tests (tests/core/test_devices.py: every method on CUDA against float64 on the
+#      CPU, bf16 state and autocast, CUDA-event stage times);
+#   2. scripts/bench.py on CUDA (bf16 autocast, CUDA events), one workload at a time, each with
+#      its own time limit and JSON file, so a slow one does not take the others' results with it.
+# Everything lands in $OUT (the device tool's output folder) or ./gpu_check. Run from the
+# repository root with a Python that has torch with CUDA, timm, transformers, scipy and pytest:
+#   bash scripts/gpu_check.sh
+# DEVICE, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults (the tests run the
+# script on the CPU with a quick benchmark). The defaults fit the device tool's 10-minute
+# command; a workload cut off by its limit can be run again alone (WORKLOADS=...).
+set -uo pipefail
+
+out=${OUT:-gpu_check}
+python=${PYTHON:-python3}
+device=${DEVICE:-cuda}
+workloads=${WORKLOADS:-resnet18-32 bert-small resnet18-224}
+bench_seconds=${BENCH_SECONDS:-150}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+
+{
+    date -u
+    git rev-parse HEAD 2>/dev/null || echo "no git checkout"
+    "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+    if [ "$device" = cuda ]; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    fi
+} >"$out/environment.txt" 2>&1
+
+status=0
+"$python" -m pytest -q -p no:cacheprovider tests/core/test_devices.py >"$out/tests.log" 2>&1 \
+    || status=1
+tail -n 3 "$out/tests.log"
+
+for workload in $workloads; do
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+    timeout "$bench_seconds" "$python" scripts/bench.py --device "$device" \
+        --workloads "$workload" --json "$out/bench_${device}_${workload}.json" ${BENCH_ARGS:-} \
+        >"$out/bench_${workload}.log" 2>&1
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    echo "bench $workload: exit $rc (124: cut off after ${bench_seconds} s)"
+done
+exit "$status"

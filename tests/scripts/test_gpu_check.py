@@ -1,0 +1,38 @@
+"""scripts/gpu_check.sh, the one command a session lent a GPU runs, works end to end.
+
+Here it runs on the CPU with a quick benchmark (the device tests' ``cuda`` cases skip), which
+checks what it writes, not the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_runs_the_device_tests_and_the_benchmark(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE": "cpu",
+           "WORKLOADS": "tiny-cnn", "BENCH_ARGS": "--quick --in-process --methods kfac-eigen"}
+    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "bench tiny-cnn: exit 0" in done.stdout
+    assert "torch " in (tmp_path / "environment.txt").read_text()
+    tests = (tmp_path / "tests.log").read_text()
+    assert " passed" in tests and "failed" not in tests
+    bench = json.loads((tmp_path / "bench_cpu_tiny-cnn.json").read_text())
+    assert {(r["workload"], r["method"]) for r in bench["rows"]} == {("tiny-cnn", "kfac-eigen")}
+
+
+def test_gpu_check_fails_when_the_benchmark_does(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE": "cpu",
+           "WORKLOADS": "no-such-workload", "BENCH_ARGS": "--quick --in-process"}
+    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "bench no-such-workload: exit 2" in done.stdout
