@@ -2,13 +2,15 @@
 # The GPU checks in one command, for a session lent a GPU for a few minutes (no network there):
 #   1. the device tests (tests/core/test_devices.py: every method on CUDA against float64 on the
 #      CPU, bf16 state and autocast, CUDA-event stage times);
-#   2. scripts/bench.py on CUDA (bf16 autocast, CUDA events), one workload at a time, each with
+#   2. scripts/gram_blocks.py: each way of forming a factor against its bound, to choose
+#      core.factors.GRAM_BLOCK for the device from data;
+#   3. scripts/bench.py on CUDA (bf16 autocast, CUDA events), one workload at a time, each with
 #      its own time limit and JSON file, so a slow one does not take the others' results with it.
 # Everything lands in $OUT (the device tool's output folder) or ./gpu_check. Run from the
 # repository root with a Python that has torch with CUDA, timm, transformers, scipy and pytest:
 #   bash scripts/gpu_check.sh
-# DEVICE, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults (the tests run the
-# script on the CPU with a quick benchmark). The defaults fit the device tool's 10-minute
+# DEVICE, GRAM_ARGS, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults (the tests
+# run the script on the CPU with a quick benchmark). The defaults fit the device tool's 10-minute
 # command; a workload cut off by its limit can be run again alone (WORKLOADS=...).
 set -uo pipefail
 
@@ -34,11 +36,16 @@ status=0
     || status=1
 tail -n 3 "$out/tests.log"
 
+# shellcheck disable=SC2086  # GRAM_ARGS is a list of options
+timeout 90 "$python" -m scripts.gram_blocks --device "$device" ${GRAM_ARGS:-} \
+    >"$out/gram_blocks.md" 2>&1 || status=1
+tail -n 2 "$out/gram_blocks.md"
+
 for workload in $workloads; do
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
     timeout "$bench_seconds" "$python" scripts/bench.py --device "$device" \
         --workloads "$workload" --json "$out/bench_${device}_${workload}.json" ${BENCH_ARGS:-} \
-        >"$out/bench_${workload}.log" 2>&1
+        >>"$out/bench.log" 2>&1
     rc=$?
     [ "$rc" -eq 0 ] || status=1
     echo "bench $workload: exit $rc (124: cut off after ${bench_seconds} s)"

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_check_runs_the_device_tests_and_the_benchmark(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE": "cpu",
-           "WORKLOADS": "tiny-cnn", "BENCH_ARGS": "--quick --in-process --methods kfac-eigen"}
+           "GRAM_ARGS": "--shapes 64x32 --repeats 1", "WORKLOADS": "tiny-cnn",
+           "BENCH_ARGS": "--quick --in-process --methods kfac-eigen"}
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -25,13 +26,15 @@ def test_gpu_check_runs_the_device_tests_and_the_benchmark(tmp_path: Path) -> No
     assert "torch " in (tmp_path / "environment.txt").read_text()
     tests = (tmp_path / "tests.log").read_text()
     assert " passed" in tests and "failed" not in tests
+    assert "| 64 x 32 |" in (tmp_path / "gram_blocks.md").read_text()
     bench = json.loads((tmp_path / "bench_cpu_tiny-cnn.json").read_text())
     assert {(r["workload"], r["method"]) for r in bench["rows"]} == {("tiny-cnn", "kfac-eigen")}
 
 
 def test_gpu_check_fails_when_the_benchmark_does(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE": "cpu",
-           "WORKLOADS": "no-such-workload", "BENCH_ARGS": "--quick --in-process"}
+           "GRAM_ARGS": "--shapes 64x32 --repeats 1", "WORKLOADS": "no-such-workload",
+           "BENCH_ARGS": "--quick --in-process"}
     done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
