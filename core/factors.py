@@ -11,49 +11,18 @@ import itertools
 import math
 
 import torch
-from scipy.linalg import blas
-from threadpoolctl import ThreadpoolController
 from torch import Tensor
 
+from core import host_kernels
 from core.layers import Rows
 
 #: Column-block width of the symmetric product: blocks above the diagonal are computed and
 #: mirrored, so a ``d``-square factor costs ``(k + 1) / 2k`` of the full GEMM with ``k`` blocks.
 GRAM_BLOCK = 256
-#: On the CPU, run the symmetric product as one BLAS ``syrk`` (SciPy's OpenBLAS): PyTorch has
-#: no ``syrk``, and the blocks above cost 1.2-1.5x more on this project's CPUs
-#: (docs/benchmarks.md). Other devices multiply blocks.
+#: On the CPU, run the symmetric product as one BLAS ``syrk`` (:mod:`core.host_kernels`):
+#: PyTorch has none, and the blocks above cost 1.2-1.5x more on ResNet-18's shapes on this
+#: project's CPUs (docs/benchmarks.md). Other devices multiply blocks.
 HOST_SYRK = True
-_SYRK = {torch.float32: blas.ssyrk, torch.float64: blas.dsyrk}
-_openblas_threads = 0
-
-
-def _match_blas_threads() -> None:
-    """Give SciPy's OpenBLAS as many threads as torch has (``torch.set_num_threads``), so a
-    process that pins torch to one thread is not oversubscribed by the ``syrk``. The loaded
-    libraries are looked up only when the count changes (first use included)."""
-    global _openblas_threads
-    threads = torch.get_num_threads()
-    if threads != _openblas_threads:
-        ThreadpoolController().select(internal_api="openblas").limit(limits=threads)
-        _openblas_threads = threads
-
-
-def _host_syrk(out: Tensor, m: Tensor, scale: float, beta: float) -> None:
-    """``out ← beta·out + scale·m mᵀ`` on and above ``out``'s diagonal, in place, by BLAS.
-
-    ``out`` is row-major, so BLAS sees its transpose and fills its "lower" triangle; ``m`` goes
-    to BLAS without a copy when either it or its transpose is contiguous.
-    """
-    _match_blas_threads()
-    m = m.detach()
-    if m.is_contiguous():  # (dim, rows) row-major = (rows, dim) column-major: mᵀ·m in BLAS
-        a, trans = m.T.numpy(), 1
-    elif m.T.is_contiguous():  # column-major (dim, rows): m·mᵀ in BLAS
-        a, trans = m.numpy(), 0
-    else:
-        a, trans = m.contiguous().T.numpy(), 1
-    _SYRK[out.dtype](scale, a, beta=beta, c=out.numpy().T, trans=trans, lower=1, overwrite_c=1)
 
 
 def _block_edges(dim: int) -> list[tuple[int, int]]:
@@ -84,14 +53,15 @@ class SymmetricGram:
         self.out = torch.empty(dim, dim, dtype=dtype, device=device)
         self.edges = _block_edges(dim)
         self.beta = 0.0
-        self.syrk = HOST_SYRK and self.out.device.type == "cpu" and dtype in _SYRK
+        self.syrk = (HOST_SYRK and self.out.device.type == "cpu"
+                     and dtype in host_kernels.DTYPES)
 
     def add(self, m: Tensor, scale: float) -> None:
         """Add ``scale · m mᵀ``."""
         with torch.autocast(device_type=m.device.type, enabled=False):
             m = m.to(self.out.dtype)
             if self.syrk:
-                _host_syrk(self.out, m, scale, self.beta)
+                host_kernels.syrk_upper(self.out, m, scale, self.beta)
                 self.beta = 1.0
                 return
             for i, (r0, r1) in enumerate(self.edges):

@@ -24,11 +24,14 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from core import host_kernels
+
 #: The two Kronecker factors of a layer; a distributed strategy may invert them on different ranks.
 SIDES = ("a", "g")
 #: On the CPU, factor and invert in the damped matrix's own memory through LAPACK's column-major
-#: view (one scratch matrix per decomposition); other devices use out-of-place kernels. A
-#: switch, so the tests also run the other devices' path on the CPU.
+#: view (one scratch matrix per decomposition), the factorisation by SciPy's LAPACK
+#: (:mod:`core.host_kernels`); other devices use torch's out-of-place kernels. A switch, so the
+#: tests also run the other devices' path on the CPU.
 HOST_IN_PLACE = True
 
 
@@ -213,18 +216,27 @@ def _damped(m: Tensor, shift: float) -> Tensor:
     return out
 
 
-def _cholesky_in_place(matrix: Tensor, *, upper: bool) -> int:
+def _cholesky_in_place(matrix: Tensor, *, lower_in_matrix: bool, zero_other: bool) -> int:
     """Cholesky-factor the symmetric row-major ``matrix`` in its own memory; LAPACK's ``info``
     (0 on success, else the order of the first minor that is not positive definite).
 
-    LAPACK works on the column-major view ``matrix.T``, which is the same matrix, and writes the
-    factor over it: ``upper=False`` leaves ``L`` in that view (so ``Lᵀ`` in ``matrix``),
-    ``upper=True`` leaves ``Lᵀ`` in it (so ``L`` in ``matrix``); torch zeroes the other
-    triangle. No copy and no scratch matrix.
+    The factorisation runs on the column-major view ``matrix.T``, which is the same matrix,
+    and writes over it: with ``lower_in_matrix`` ``matrix`` holds ``L`` (``A = L Lᵀ``) on and
+    below its diagonal, otherwise ``Lᵀ`` on and above it (``L`` in the column-major view). No
+    copy and no scratch matrix. On the CPU (:data:`HOST_IN_PLACE`) SciPy's LAPACK leaves the
+    other triangle as it was, and ``zero_other`` zeroes it in one contiguous pass; elsewhere
+    torch zeroes it anyway.
     """
+    if HOST_IN_PLACE and matrix.device.type == "cpu" and matrix.dtype in host_kernels.DTYPES:
+        info = host_kernels.cholesky_in_place(matrix, lower_in_matrix=lower_in_matrix)
+        if zero_other and info == 0 and lower_in_matrix:
+            matrix.tril_()
+        elif zero_other and info == 0:
+            matrix.triu_()
+        return info
     column_major = matrix.T
     info = torch.empty((), dtype=torch.int32, device=matrix.device)
-    torch.linalg.cholesky_ex(column_major, upper=upper, out=(column_major, info))
+    torch.linalg.cholesky_ex(column_major, upper=lower_in_matrix, out=(column_major, info))
     return int(info)
 
 
@@ -247,8 +259,9 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
     def invert(m: Tensor) -> tuple[Tensor]:
         matrix = _damped(m, shift)
         if HOST_IN_PLACE and matrix.device.type == "cpu":
-            # potrf and then potri in the column-major view; torch fills both triangles.
-            info = _cholesky_in_place(matrix, upper=False)
+            # potrf and then potri in the column-major view (both read one triangle of it);
+            # torch fills both triangles of the inverse.
+            info = _cholesky_in_place(matrix, lower_in_matrix=False, zero_other=False)
             if info == 0:
                 column_major = matrix.T
                 torch.cholesky_inverse(column_major, out=column_major)
@@ -284,7 +297,7 @@ def damped_cholesky(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor:
 
     def factorise(m: Tensor) -> tuple[Tensor]:
         matrix = _damped(m, shift)
-        info = _cholesky_in_place(matrix, upper=True)
+        info = _cholesky_in_place(matrix, lower_in_matrix=True, zero_other=True)
         if info:
             raise _not_positive_definite(info)
         return (matrix,)

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts import bench
 
@@ -171,3 +172,15 @@ def test_work_targets_are_judged_as_measured_and_shown_at_the_in_run_gemm_rate()
         bench.targets_table([work])
     unchecked = bench.targets([_row("resnet18-32", "mkor", 2.0)], peers, 128.0)
     assert next(t for t in unchecked if "lower bound" in t["target"])["aside"] is None
+
+
+def test_the_timed_cholesky_calls_form_the_inverse_and_each_leaves_its_input() -> None:
+    """The rates take the fastest of these calls, so each must do the whole job."""
+    spd = bench._spd(6, torch.device("cpu")).double()
+    before = spd.clone()
+    calls = bench.cholesky_calls(spd)
+    assert len(calls) == 2 == len(bench.factorisation_calls(spd))
+    for call in calls:
+        torch.testing.assert_close(call(), torch.linalg.inv(spd))
+    assert bench.factorisation_calls(spd)[1]() == 0  # LAPACK's info: factorised
+    assert torch.equal(spd, before)

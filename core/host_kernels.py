@@ -1,0 +1,74 @@
+"""BLAS and LAPACK kernels on CPU tensors' own memory, through SciPy, where PyTorch has none or
+adds whole-matrix passes around its own.
+
+PyTorch has no ``syrk``, and its CPU Cholesky zeroes the triangle LAPACK leaves untouched,
+which on the column-major view of a row-major matrix is a strided pass costing a quarter to a
+third of the factorisation itself (docs/benchmarks.md). SciPy's OpenBLAS runs both on the
+tensor's memory with no copy. Each call first gives that OpenBLAS as many threads as torch has,
+so a process pinned to one thread is not oversubscribed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from scipy.linalg import blas, lapack
+from threadpoolctl import ThreadpoolController
+from torch import Tensor
+
+_SYRK: dict[torch.dtype, Callable[..., Any]] = {torch.float32: blas.ssyrk,
+                                                 torch.float64: blas.dsyrk}
+_POTRF: dict[torch.dtype, Callable[..., Any]] = {torch.float32: lapack.spotrf,
+                                                  torch.float64: lapack.dpotrf}
+#: dtypes the kernels here take.
+DTYPES = tuple(_SYRK)
+_openblas_threads = 0
+
+
+def match_blas_threads() -> None:
+    """Give SciPy's OpenBLAS as many threads as torch has (``torch.set_num_threads``). The
+    loaded libraries are looked up only when the count changes (first use included)."""
+    global _openblas_threads
+    threads = torch.get_num_threads()
+    if threads != _openblas_threads:
+        ThreadpoolController().select(internal_api="openblas").limit(limits=threads)
+        _openblas_threads = threads
+
+
+def syrk_upper(out: Tensor, m: Tensor, scale: float, beta: float) -> None:
+    """``out ← beta·out + scale·m mᵀ`` on and above ``out``'s diagonal, in place.
+
+    ``out`` is row-major, so BLAS sees its transpose and fills its "lower" triangle; ``m`` goes
+    to BLAS without a copy when either it or its transpose is contiguous.
+    """
+    match_blas_threads()
+    m = m.detach()
+    if m.is_contiguous():  # (dim, rows) row-major = (rows, dim) column-major: mᵀ·m in BLAS
+        a, trans = m.T.numpy(), 1
+    elif m.T.is_contiguous():  # column-major (dim, rows): m·mᵀ in BLAS
+        a, trans = m.numpy(), 0
+    else:
+        a, trans = m.contiguous().T.numpy(), 1
+    _SYRK[out.dtype](scale, a, beta=beta, c=out.numpy().T, trans=trans, lower=1, overwrite_c=1)
+
+
+def cholesky_in_place(matrix: Tensor, *, lower_in_matrix: bool) -> int:
+    """Cholesky-factor the symmetric, row-major (contiguous) ``matrix`` in its own memory;
+    LAPACK's ``info`` (0 on success, else the order of the first minor that is not positive
+    definite).
+
+    LAPACK ``potrf`` works on the column-major view ``matrix.T`` (the same matrix) and writes
+    the factor over one triangle of it: with ``lower_in_matrix`` the row-major ``matrix`` then
+    holds ``L`` (``A = L Lᵀ``) on and below its diagonal, otherwise ``Lᵀ`` on and above it. The
+    other triangle keeps the input's entries: neither ``potri`` nor a triangular solve reads
+    them, and a caller that needs zeros there writes them in one contiguous pass.
+    """
+    if not matrix.is_contiguous():
+        raise ValueError("cholesky_in_place needs a contiguous (row-major) matrix")
+    match_blas_threads()
+    # LAPACK's upper triangle of the column-major view is the row-major lower triangle.
+    _, info = _POTRF[matrix.dtype](matrix.numpy().T, lower=int(not lower_in_matrix),
+                                   overwrite_a=1, clean=0)
+    return int(info)

@@ -1,0 +1,42 @@
+"""The SciPy-backed CPU kernels work in the tensor's own memory and match float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core import host_kernels
+
+
+def _spd(n: int, dtype: torch.dtype) -> torch.Tensor:
+    torch.manual_seed(3)
+    x = torch.randn(n, 2 * n, dtype=torch.float64)
+    return (x @ x.T / (2 * n)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("lower_in_matrix", [True, False])
+def test_cholesky_in_place_writes_one_triangle_and_leaves_the_other(dtype: torch.dtype,
+                                                                    lower_in_matrix: bool) -> None:
+    spd = _spd(9, dtype)
+    matrix = spd.clone()
+    address = matrix.data_ptr()
+    assert host_kernels.cholesky_in_place(matrix, lower_in_matrix=lower_in_matrix) == 0
+    assert matrix.data_ptr() == address
+    expected = torch.linalg.cholesky(spd.double())  # lower L, A = L Lᵀ
+    factor, untouched = ((matrix.tril(), matrix.triu(1)) if lower_in_matrix
+                         else (matrix.triu().T, matrix.tril(-1)))
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(factor.double(), expected, **tolerance)
+    kept = spd.triu(1) if lower_in_matrix else spd.tril(-1)
+    assert torch.equal(untouched, kept)
+
+
+def test_cholesky_in_place_reports_the_first_minor_that_is_not_positive_definite() -> None:
+    matrix = torch.diag(torch.tensor([4.0, 1.0, -2.0, 3.0]))
+    assert host_kernels.cholesky_in_place(matrix, lower_in_matrix=True) == 3
+
+
+def test_cholesky_in_place_refuses_a_matrix_it_would_have_to_copy() -> None:
+    with pytest.raises(ValueError, match="contiguous"):
+        host_kernels.cholesky_in_place(torch.eye(4)[:, ::2], lower_in_matrix=True)
