@@ -44,6 +44,8 @@ METHODS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "kfac-eigen": ("kfac", {"inverse_method": "eigen", **DAMPING}, KFAC_FP64),
     "kfac-inverse": ("kfac", {"inverse_method": "inverse", **DAMPING}, KFAC_FP64),
     "kfac-solve": ("kfac", {"inverse_method": "cholesky_solve", **DAMPING}, KFAC_FP64),
+    "kfac-in-backward": ("kfac", {"inverse_method": "inverse", "factors_in_backward": True,
+                                  **DAMPING}, KFAC_FP64),
     "dp-kfac": ("kfac", {"inverse_method": "inverse", "strategy": "dp-kfac",
                          "factor_scaling": "dpkfac", "damping_split": "pi", **DAMPING}, KFAC_FP64),
     "mkor": ("mkor", {}, {"dtype": "float64"}),
