@@ -216,27 +216,39 @@ def _damped(m: Tensor, shift: float) -> Tensor:
     return out
 
 
-def _cholesky_in_place(matrix: Tensor, *, lower_in_matrix: bool, zero_other: bool) -> int:
-    """Cholesky-factor the symmetric row-major ``matrix`` in its own memory; LAPACK's ``info``
-    (0 on success, else the order of the first minor that is not positive definite).
+def _host_path(matrix: Tensor) -> bool:
+    return HOST_IN_PLACE and matrix.device.type == "cpu" and matrix.dtype in host_kernels.DTYPES
 
-    The factorisation runs on the column-major view ``matrix.T``, which is the same matrix,
-    and writes over it: with ``lower_in_matrix`` ``matrix`` holds ``L`` (``A = L Lᵀ``) on and
-    below its diagonal, otherwise ``Lᵀ`` on and above it (``L`` in the column-major view). No
-    copy and no scratch matrix. On the CPU (:data:`HOST_IN_PLACE`) SciPy's LAPACK leaves the
-    other triangle as it was, and ``zero_other`` zeroes it in one contiguous pass; elsewhere
-    torch zeroes it anyway.
+
+def inverse_in_place(matrix: Tensor) -> int:
+    """Overwrite the symmetric, row-major CPU ``matrix`` with its inverse from its Cholesky
+    factor, in its own memory; LAPACK's ``info`` (0 when done, else the order of the first minor
+    that is not positive definite, and ``matrix`` is spent).
+
+    ``potrf`` (:mod:`core.host_kernels`) and then ``potri`` (torch, which fills both triangles
+    of the result) both work on the column-major view ``matrix.T``, which is the same matrix:
+    no copy and no scratch matrix.
     """
-    if HOST_IN_PLACE and matrix.device.type == "cpu" and matrix.dtype in host_kernels.DTYPES:
-        info = host_kernels.cholesky_in_place(matrix, lower_in_matrix=lower_in_matrix)
-        if zero_other and info == 0 and lower_in_matrix:
+    info = host_kernels.cholesky_in_place(matrix, lower_in_matrix=False)
+    if info == 0:
+        column_major = matrix.T
+        torch.cholesky_inverse(column_major, out=column_major)
+    return info
+
+
+def _lower_cholesky_in_place(matrix: Tensor) -> int:
+    """Overwrite the symmetric row-major ``matrix`` with ``L`` (``A = L Lᵀ``), zero above the
+    diagonal; LAPACK's ``info``. On the CPU (:data:`HOST_IN_PLACE`) SciPy's LAPACK leaves the
+    upper triangle as it was and one contiguous pass zeroes it; elsewhere torch factors the
+    column-major view (the same matrix) and zeroes it itself."""
+    if _host_path(matrix):
+        info = host_kernels.cholesky_in_place(matrix, lower_in_matrix=True)
+        if info == 0:
             matrix.tril_()
-        elif zero_other and info == 0:
-            matrix.triu_()
         return info
     column_major = matrix.T
     info = torch.empty((), dtype=torch.int32, device=matrix.device)
-    torch.linalg.cholesky_ex(column_major, upper=lower_in_matrix, out=(column_major, info))
+    torch.linalg.cholesky_ex(column_major, upper=True, out=(column_major, info))
     return int(info)
 
 
@@ -258,13 +270,9 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
 
     def invert(m: Tensor) -> tuple[Tensor]:
         matrix = _damped(m, shift)
-        if HOST_IN_PLACE and matrix.device.type == "cpu":
-            # potrf and then potri in the column-major view (both read one triangle of it);
-            # torch fills both triangles of the inverse.
-            info = _cholesky_in_place(matrix, lower_in_matrix=False, zero_other=False)
+        if _host_path(matrix):
+            info = inverse_in_place(matrix)
             if info == 0:
-                column_major = matrix.T
-                torch.cholesky_inverse(column_major, out=column_major)
                 return (matrix,)
         else:
             chol, info_tensor = torch.linalg.cholesky_ex(matrix)
@@ -297,7 +305,7 @@ def damped_cholesky(factor: Tensor, shift: float, dtype: torch.dtype) -> Tensor:
 
     def factorise(m: Tensor) -> tuple[Tensor]:
         matrix = _damped(m, shift)
-        info = _cholesky_in_place(matrix, lower_in_matrix=True, zero_other=True)
+        info = _lower_cholesky_in_place(matrix)
         if info:
             raise _not_positive_definite(info)
         return (matrix,)

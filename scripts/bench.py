@@ -73,6 +73,7 @@ if str(ROOT) not in sys.path:  # benchmark this checkout's core, not an installe
     sys.path.insert(0, str(ROOT))
 
 from core import host_kernels  # noqa: E402
+from core.inverse import inverse_in_place  # noqa: E402
 from core.layers import helper_for  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
 from core.preconditioner import discover_layers  # noqa: E402
@@ -258,16 +259,12 @@ def factorisation_calls(spd: Tensor) -> list[Callable[[], object]]:
 
 def cholesky_calls(spd: Tensor) -> list[Callable[[], object]]:
     """Ways to form ``spd``'s inverse from its Cholesky factor, as :func:`factorisation_calls`:
-    torch's, and on the CPU ``potrf`` and then ``potri`` in one copy's memory."""
-    def in_place() -> Tensor:
-        copy = spd.clone()
-        host_kernels.cholesky_in_place(copy, lower_in_matrix=False)
-        return torch.cholesky_inverse(copy.T, out=copy.T)
-
+    torch's, and on the CPU ``potrf`` and then ``potri`` in one copy's memory, as
+    :func:`core.inverse.inverse_in_place` does."""
     calls: list[Callable[[], object]] = [
         lambda: torch.cholesky_inverse(torch.linalg.cholesky(spd))]
     if spd.device.type == "cpu":
-        calls.append(in_place)
+        calls.append(lambda: inverse_in_place(spd.clone()))
     return calls
 
 

@@ -16,6 +16,7 @@ from core.inverse import (
     damped_cholesky,
     damped_inverse,
     eigen_decompose,
+    inverse_in_place,
     kl_clip_factor,
     kl_clip_scale,
     kl_product,
@@ -171,6 +172,20 @@ def test_inverse_method_falls_back_to_lu_when_not_positive_definite(layout: str,
     expected = torch.linalg.inv(indefinite + 0.1 * torch.eye(3, dtype=torch.float64))
     torch.testing.assert_close(inv, (expected + expected.T) / 2)
     assert torch.equal(inv, inv.T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inverse_in_place_overwrites_the_matrix_with_its_inverse(dtype: torch.dtype) -> None:
+    torch.manual_seed(6)
+    x = torch.randn(30, 12, dtype=torch.float64)
+    spd = x.T @ x / 30 + 0.1 * torch.eye(12, dtype=torch.float64)
+    matrix = spd.to(dtype, copy=True)
+    address = matrix.data_ptr()
+    assert inverse_in_place(matrix) == 0 and matrix.data_ptr() == address
+    assert torch.equal(matrix, matrix.T)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(matrix.double(), torch.linalg.inv(spd), **tolerance)
+    assert inverse_in_place(torch.diag(torch.tensor([2.0, -1.0, 3.0]))) == 2
 
 
 def test_factor_inverses_are_exactly_symmetric(inversion_path: str) -> None:

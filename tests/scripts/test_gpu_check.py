@@ -15,12 +15,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_runs_the_device_tests_and_the_benchmark(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE": "cpu",
-           "GRAM_ARGS": "--shapes 64x32 --repeats 1", "WORKLOADS": "tiny-cnn",
-           "BENCH_ARGS": "--quick --in-process --methods kfac-eigen"}
-    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
+def _gpu_check(out: Path, workloads: str, bench_args: str) -> subprocess.CompletedProcess[str]:
+    """The script on the CPU, with a one-shape factor table and a quick benchmark."""
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "DEVICE": "cpu",
+           "GRAM_ARGS": "--shapes 64x32 --repeats 1", "WORKLOADS": workloads,
+           "BENCH_ARGS": bench_args}
+    return subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_check_runs_the_device_tests_and_the_benchmark(tmp_path: Path) -> None:
+    done = _gpu_check(tmp_path, "tiny-cnn", "--quick --in-process --methods kfac-eigen")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "bench tiny-cnn: exit 0" in done.stdout
     assert "torch " in (tmp_path / "environment.txt").read_text()
@@ -32,10 +37,6 @@ def test_gpu_check_runs_the_device_tests_and_the_benchmark(tmp_path: Path) -> No
 
 
 def test_gpu_check_fails_when_the_benchmark_does(tmp_path: Path) -> None:
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "DEVICE": "cpu",
-           "GRAM_ARGS": "--shapes 64x32 --repeats 1", "WORKLOADS": "no-such-workload",
-           "BENCH_ARGS": "--quick --in-process"}
-    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = _gpu_check(tmp_path, "no-such-workload", "--quick --in-process")
     assert done.returncode == 1
     assert "bench no-such-workload: exit 2" in done.stdout
