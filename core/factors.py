@@ -109,12 +109,23 @@ def add_a_rows(gram: SymmetricGram, rows: Rows, batch: int, scaling: str) -> Non
     if scaling == "dpkfac" and not rows.spatial:
         gram.add(x.mean(dim=1).T, 1.0 / batch)
         return
-    if not rows.spatial:
-        scale = 1.0 / (batch * t)
-    else:
-        scale = {"kaisa": 1.0 / (batch * t**3), "kfc": 1.0 / batch,
-                 "dpkfac": 1.0 / (batch * t**2)}[scaling]
-    gram.add(_feature_major(x), scale)
+    gram.add(_feature_major(x), a_scale(batch, t, rows.spatial, scaling))
+
+
+def a_scale(batch: int, positions: int, spatial: bool, scaling: str) -> float:
+    """What ``Σ ā āᵀ`` over a batch's rows is multiplied by to give its ``A`` factor.
+
+    Args:
+        batch: Examples ``B`` in the whole batch.
+        positions: Rows per example (``T`` or ``L``).
+        spatial: Whether the positions are convolution output locations.
+        scaling: ``"kaisa"``, ``"kfc"`` or ``"dpkfac"`` (for ``dpkfac`` with positions that are
+            not spatial, rows are averaged over them first: :func:`add_a_rows`).
+    """
+    if not spatial:
+        return 1.0 / (batch * positions)
+    return {"kaisa": 1.0 / (batch * positions**3), "kfc": 1.0 / batch,
+            "dpkfac": 1.0 / (batch * positions**2)}[scaling]
 
 
 def add_g_rows(gram: SymmetricGram, rows: Rows, batch: int, scaling: str,

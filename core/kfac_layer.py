@@ -14,7 +14,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from core.factors import SymmetricGram, add_a_rows, add_g_rows
+from core.conv_gram import Plan, ShiftedPatches
+from core.factors import SymmetricGram, a_scale, add_a_rows, add_g_rows
 from core.inverse import (
     SIDES,
     DecompositionError,
@@ -87,13 +88,19 @@ class KFACLayer(PreconditionedLayer):
         """Turn the kept tensors into batch factors (added to the pending ones) and drop them.
 
         Building factors after the backward pass, when autograd has freed the activations,
-        keeps them out of the memory peak. Rows that are a copy are built and multiplied one
+        keeps them out of the memory peak. A stride-1 convolution's ``A`` comes from shifted
+        views of its input where that is cheaper (:mod:`core.conv_gram`), with no rows at all.
+        Otherwise rows that are a copy are built and multiplied one
         batch slice at a time (see :data:`core.layers.ROW_PART_BYTES`). With ``timer``, row
         building is timed as ``capture`` and the factor GEMMs as ``factors``.
         """
         stage = timer.stage if timer is not None else lambda _: nullcontext()
         helper, dtype = self.helper, self.factor_dtype
         for x in self.captured_inputs:
+            plan = helper.shifted_plan(x.shape)
+            if plan is not None:
+                self.a.accumulate(self._shifted_factor(x, plan, stage))
+                continue
             self.a.accumulate(self._batch_factor(
                 SymmetricGram(self.a_dim, dtype, x.device),
                 helper.input_slices(x, dtype), partial(helper.a_rows, dtype=dtype),
@@ -104,6 +111,18 @@ class KFACLayer(PreconditionedLayer):
                 helper.g_rows, partial(add_g_rows, batch=gy.shape[0], scaling=self.scaling,
                                        multiplier=multiplier), stage))
         self.captured_inputs, self.captured_grads = [], []
+
+    def _shifted_factor(self, x: Tensor, plan: Plan,
+                        stage: Callable[[str], AbstractContextManager[None]]) -> Tensor:
+        """The batch ``A`` of a captured convolution input from its shifted layout (laid out as
+        ``capture``, multiplied as ``factors``); the factor is allocated first, since it
+        outlives the layout."""
+        out = torch.empty(self.a_dim, self.a_dim, dtype=self.factor_dtype, device=x.device)
+        with stage("capture"):
+            shifted = ShiftedPatches(x, plan, self.factor_dtype)
+        with stage("factors"):
+            scale = a_scale(x.shape[0], plan.positions, True, self.scaling)
+            return shifted.gram(out, scale, self.helper.has_bias)
 
     @staticmethod
     def _batch_factor(gram: SymmetricGram, slices: Iterable[Tensor],

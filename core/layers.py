@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core import conv_gram
+
 #: Factor rows that are a copy of the captured tensor (im2col patches, rows with a bias entry,
 #: feature-major convolution gradients) are built and multiplied a slice of the batch at a
 #: time, about this many bytes of rows per slice: each slice is still in cache when its GEMM
@@ -25,6 +27,9 @@ ROW_PART_BYTES = 4 * 2**20
 #: Fewest rows per slice, so that wide factors keep a deep GEMM (the output is read and
 #: written once per slice).
 MIN_PART_ROWS = 1024
+#: Build a stride-1 convolution's ``A`` factor from shifted views of its padded input
+#: (:mod:`core.conv_gram`) whenever that takes fewer FLOPs than the product of its patches.
+SHIFTED_CONV_GRAM = True
 
 
 def batch_slices(tensor: Tensor, rows_per_example: int, dim: int, itemsize: int
@@ -110,6 +115,11 @@ class LayerHelper:
         """Batch slices of a captured input whose :meth:`a_rows` are built one at a time
         (the whole input when its rows are a view of it)."""
         return (x,)
+
+    def shifted_plan(self, input_shape: torch.Size) -> conv_gram.Plan | None:
+        """How to form ``A`` of an input of this shape without its rows, when that is
+        cheaper than their product (None: build the rows)."""
+        return None
 
     def grad_slices(self, gy: Tensor) -> tuple[Tensor, ...]:
         """Batch slices of a captured output gradient whose :meth:`g_rows` are multiplied one
@@ -261,6 +271,19 @@ class Conv2dHelper(LayerHelper):
         ph, pw = self._padding()
         return ((h + 2 * ph - dh * (kh - 1) - 1) // sh + 1,
                 (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1)
+
+    def shifted_plan(self, input_shape: torch.Size) -> conv_gram.Plan | None:
+        """A plan for stride-1 convolutions of more than one tap whose shifted product takes
+        fewer FLOPs than the patches' (on ResNet-18's 3x3 layers 0.35-0.84 of them)."""
+        conv = self.conv
+        if not SHIFTED_CONV_GRAM or conv.stride != (1, 1) or conv.kernel_size == (1, 1):
+            return None
+        batch, channels, height, width = input_shape
+        plan = conv_gram.plan(conv_gram.Geometry(conv.kernel_size, conv.dilation,
+                                                 self._padding()), height, width)
+        if plan.flops(batch, channels) >= plan.patch_flops(batch, channels):
+            return None
+        return plan
 
     def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         out_h, out_w = self._output_size(x.shape[2], x.shape[3])

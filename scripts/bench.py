@@ -501,6 +501,9 @@ class LayerShape:
             factors (or statistics) must read at least once.
         a_word: Bytes per entry of ``A``'s second-order state at the end of the run (2 for
             bf16; ``precondition_dtype_tolerance`` may keep a factor in fp32). g_word: ``G``'s.
+        a_shifted: For a stride-1 convolution whose ``A`` is formed from shifted views of its
+            input (:mod:`core.conv_gram`), that product's FLOPs and its GEMMs' output size
+            (the input channels); None when ``A`` is the product of its rows.
     """
 
     a_dim: int
@@ -509,6 +512,13 @@ class LayerShape:
     captured: int
     a_word: int = 4
     g_word: int = 4
+    a_shifted: tuple[float, int] | None = None
+
+    @property
+    def a_product(self) -> tuple[float, int]:
+        """FLOPs of forming ``A`` the way the layer forms it, and the GEMM size whose rate
+        they run at: ``rows·a²`` at ``a``'s, or the shifted product's."""
+        return self.a_shifted or (float(self.rows * self.a_dim**2), self.a_dim)
 
 
 @dataclass
@@ -665,8 +675,9 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     return MethodRun(
         kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
         stages[WARM_STEPS:], built + peak, state_bytes=state_bytes(precond),
-        layers=[LayerShape(layer.a_dim, layer.g_dim, *rows[layer.name],
-                           *state_words(layer, method.state_word))
+        layers=[LayerShape(layer.a_dim, layer.g_dim, *rows[layer.name][:2],
+                           *state_words(layer, method.state_word),
+                           a_shifted=rows[layer.name][2])
                 for layer in precond.layers],
         failures=int(metrics.get("decomposition_failures", 0)
                      + metrics.get("update_failures", 0)),
@@ -684,21 +695,29 @@ def state_words(layer: Any, default: int) -> tuple[int, int]:
 
 
 def record_shapes(model: nn.Module, names: Sequence[str], average_positions: bool
-                  ) -> tuple[dict[str, tuple[int, int]], list[Any]]:
-    """Forward hooks that record, on the next call of the named modules, their factor-GEMM rows
-    and the elements of their input and output (the output gradient has the output's shape)."""
-    rows: dict[str, tuple[int, int]] = {}
+                  ) -> tuple[dict[str, tuple[int, int, tuple[float, int] | None]], list[Any]]:
+    """Forward hooks that record, on the next call of the named modules, their factor-GEMM rows,
+    the elements of their input and output (the output gradient has the output's shape), and
+    for a convolution whose ``A`` comes from shifted views of its input, that product's FLOPs
+    and GEMM size (:attr:`LayerShape.a_shifted`)."""
+    rows: dict[str, tuple[int, int, tuple[float, int] | None]] = {}
     modules = dict(model.named_modules())
 
     def hook(name: str) -> Callable[..., None]:
         def run(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+            shifted = None
             if isinstance(module, nn.Conv2d):
                 count = output.shape[0] * output.shape[2] * output.shape[3]
+                helper = helper_for(module)
+                plan = helper.shifted_plan(inputs[0].shape) if helper is not None else None
+                if plan is not None:
+                    batch, channels = inputs[0].shape[:2]
+                    shifted = (plan.flops(batch, channels), channels)
             elif average_positions:  # dpkfac: a 3-D Linear input is averaged over positions
                 count = inputs[0].shape[0]
             else:
                 count = inputs[0].numel() // inputs[0].shape[-1]
-            rows[name] = (count, inputs[0].numel() + output.numel())
+            rows[name] = (count, inputs[0].numel() + output.numel(), shifted)
         return run
 
     handles = [modules[name].register_forward_hook(hook(name)) for name in names]
@@ -761,7 +780,9 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     """Seconds each stage needs at least, on an update step and on a plain step.
 
     FLOP counts at the measured rate of the same kernel kind, at the nearest measured size:
-    factors are symmetric rank-k updates (``rows·d²`` FLOPs per factor, GEMM rate);
+    factors are symmetric rank-k updates (``rows·d²`` FLOPs per factor, GEMM rate), except a
+    stride-1 convolution's ``A`` formed from shifted views of its input, which counts that
+    product's FLOPs (:attr:`LayerShape.a_product`);
     decompositions are ``n³`` at the measured rate of their kind (eigh, Cholesky factorisation
     and inverse, or the factorisation alone for ``cholesky_solve``); preconditioning is GEMMs
     (``2·g·a·(g + a)`` FLOPs, twice that for the eigenbasis rotations) or, for
@@ -795,8 +816,10 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
                    / rates.bandwidth)
         scale = 3 * g * a * word / rates.bandwidth  # read P and the gradient, write .grad
         if method.kind == "kfac":
+            a_flops, a_size = layer.a_product
             update["factors"] += at_least_read(
-                sum(rows * d * d / rates.at("gemm", d) for d in (a, g)), layer.captured)
+                a_flops / rates.at("gemm", a_size) + rows * g * g / rates.at("gemm", g),
+                layer.captured)
             kind = method.decomposition
             update["inversion"] += at_least_read(
                 sum(d**3 / rates.at(kind, d) for d in (a, g)), squares)
@@ -863,7 +886,7 @@ def summarise(workload: str, base_peak: int, method: Method, run: MethodRun, rat
     bounds = stage_bounds(method, run.layers, rates)
     over = (run.peak_bytes - base_peak) / MB
     state = run.state_bytes / MB
-    factor_flops = sum(x.rows * (x.a_dim**2 + x.g_dim**2) for x in run.layers)
+    factor_flops = sum(x.a_product[0] + x.rows * x.g_dim**2 for x in run.layers)
     factor_s = run.stage_median("update", "factors")
     decomposition_flops = NOMINAL_FLOPS.get(method.decomposition, 0.0) * sum(
         x.a_dim**3 + x.g_dim**3 for x in run.layers)

@@ -54,15 +54,17 @@ METHODS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 
 
 class ConvNet(nn.Module):
-    """A strided, padded, dilated convolution (with bias) feeding a Linear: both factor kinds."""
+    """A strided, padded, dilated convolution (with bias, its ``A`` from patch rows), a stride-1
+    one (``A`` from shifted views of its input, core.conv_gram), and a Linear."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 6, 3, stride=2, padding=2, dilation=2)
+        self.same = nn.Conv2d(6, 6, 3, padding=1, bias=False)
         self.fc = nn.Linear(6 * 4 * 4, 5)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+        return self.fc(torch.tanh(self.same(torch.tanh(self.conv(x)))).flatten(1))
 
 
 def _updates(device: str, dtype: torch.dtype, name: str, options: dict[str, Any],
@@ -121,10 +123,11 @@ def test_bf16_state_on_the_device_stays_near_float64_on_the_cpu(device: str, met
 def test_bf16_autocast_on_the_device_stays_near_float64_on_the_cpu(device: str,
                                                                   method: str) -> None:
     """A bf16 forward and backward (autocast) moves the update by bf16 rounding only: the
-    factors are still accumulated in fp32."""
+    factors are still accumulated in fp32. bf16 rounds each product to 2⁻⁸ relative, and the
+    rounding compounds through the three layers' forward and backward (1.1% for K-FAC eigen)."""
     name, options, _ = METHODS[method]
     got = _updates(device, torch.float32, name, options, autocast=True)
-    assert _relative_error(got, _reference(method)) < 1e-2
+    assert _relative_error(got, _reference(method)) < 2e-2
 
 
 def test_stage_times_are_recorded_on_the_device(device: str) -> None:

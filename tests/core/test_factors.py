@@ -8,6 +8,7 @@ from torch import nn
 
 from core import KFACPreconditioner
 from core.factors import SymmetricGram
+from core.layers import Conv2dHelper
 from tests.core.reference import conv_patches_naive, reference_factors, with_bias_column
 
 SCALINGS = ("kaisa", "kfc", "dpkfac")
@@ -59,12 +60,18 @@ CONVS = [
 ]
 
 
+@pytest.mark.parametrize("shifted", [True, False])
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("conv_args", CONVS)
-def test_conv2d_factors_match_naive_patches(scaling: str, conv_args: dict) -> None:
+def test_conv2d_factors_match_naive_patches(monkeypatch: pytest.MonkeyPatch, scaling: str,
+                                            conv_args: dict, shifted: bool) -> None:
+    """With patch rows, and (stride 1) from shifted views of the input (core.conv_gram)."""
+    monkeypatch.setattr("core.layers.SHIFTED_CONV_GRAM", shifted)
     torch.manual_seed(2)
     conv = nn.Conv2d(2, 3, **conv_args).double()
     x = torch.randn(2, 2, 7, 6, dtype=torch.float64)
+    takes_shifted = Conv2dHelper(conv).shifted_plan(x.shape) is not None
+    assert takes_shifted == (shifted and conv.stride == (1, 1))
     a, g, gy = captured_factors(conv, x, scaling)
     patches = conv_patches_naive(x, conv)
     if conv.bias is not None:
@@ -122,8 +129,10 @@ def test_factors_stay_fp32_under_bf16_autocast() -> None:
 @pytest.mark.parametrize("block", [2, 3, 512])
 def test_blocked_symmetric_product_is_exact_and_symmetric(monkeypatch: pytest.MonkeyPatch,
                                                           block: int) -> None:
-    """The GEMM-per-block product that devices without a host ``syrk`` (GPUs) use."""
+    """The GEMM-per-block product that devices without a host ``syrk`` (GPUs) use (for the
+    convolution's ``A`` too: its shifted product is switched off)."""
     monkeypatch.setattr("core.factors.HOST_SYRK", False)
+    monkeypatch.setattr("core.layers.SHIFTED_CONV_GRAM", False)
     monkeypatch.setattr("core.factors.GRAM_BLOCK", block)
     torch.manual_seed(5)
     conv = nn.Conv2d(2, 3, 3, padding=1).double()
@@ -145,6 +154,7 @@ def test_factors_built_slice_by_slice_equal_the_whole_batch(
     """Rows built and multiplied one example at a time (the cache-sized slices of large
     batches) give the naive factors of the whole batch, with BLAS ``syrk`` or blocks."""
     monkeypatch.setattr("core.factors.HOST_SYRK", host_syrk)
+    monkeypatch.setattr("core.layers.SHIFTED_CONV_GRAM", False)  # rows for every stride
     monkeypatch.setattr("core.layers.ROW_PART_BYTES", 1)
     monkeypatch.setattr("core.layers.MIN_PART_ROWS", 1)
     monkeypatch.setattr("core.factors.GRAM_BLOCK", 2)

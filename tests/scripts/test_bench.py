@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+from core.layers import Conv2dHelper
 from scripts import bench
 
 
@@ -95,7 +97,7 @@ def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible(
 
 
 @pytest.mark.parametrize(("saved", "shown"), [
-    ("bench_cpu_2026-11-30_lapack.json", None),
+    ("bench_cpu_2026-11-30_shifted.json", None),
     ("bench_cpu_2026-11-30.json", ("targets", "bounds")),
     ("bench_cpu_bert_rounds20_2026-11-30_lapack.json", ("results", "bounds", "targets")),
 ])
@@ -184,3 +186,32 @@ def test_the_timed_cholesky_calls_form_the_inverse_and_each_leaves_its_input() -
     # LAPACK's info: done (core.inverse.inverse_in_place is tested against the inverse)
     assert in_place() == 0 and in_place_factor() == 0
     assert torch.equal(spd, before)
+
+
+def test_a_factor_from_shifted_views_is_bounded_by_that_products_flops() -> None:
+    """A stride-1 convolution's ``A`` formed from shifted views of its input (core.conv_gram)
+    counts that product's FLOPs at the GEMM rate of its channel-wide output; otherwise
+    ``rows·a²`` at ``a``'s rate. ``G`` is ``rows·g²`` either way."""
+    rates = bench.Rates({64: 1e9, 576: 2e9}, {64: 1.0}, {64: 1.0}, {64: 1.0}, {64: 1.0},
+                        bandwidth=1e15, gemm_bf16={64: 4e9})
+    method = next(m for m in bench.METHODS if m.name == "kfac-inverse")
+    rows = bench.LayerShape(576, 64, rows=1000, captured=10)
+    shifted = bench.LayerShape(576, 64, rows=1000, captured=10, a_shifted=(5e6, 64))
+    g_part = 1000 * 64**2 / 1e9
+    assert bench.stage_bounds(method, [rows], rates)["update"]["factors"] == \
+        pytest.approx(1000 * 576**2 / 2e9 + g_part)
+    assert bench.stage_bounds(method, [shifted], rates)["update"]["factors"] == \
+        pytest.approx(5e6 / 1e9 + g_part)
+
+
+def test_recorded_shapes_carry_the_shifted_plan_of_stride_1_convolutions() -> None:
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 3, stride=2))
+    shapes, handles = bench.record_shapes(model, ["0", "1"], average_positions=False)
+    model(torch.randn(2, 4, 16, 16))
+    for handle in handles:
+        handle.remove()
+    plan = Conv2dHelper(model[0]).shifted_plan(torch.Size((2, 4, 16, 16)))
+    assert plan is not None
+    assert shapes["0"] == (2 * 16 * 16, 2 * 4 * 16 * 16 + 2 * 8 * 16 * 16,
+                           (plan.flops(2, 4), 4))
+    assert shapes["1"][2] is None  # strided: the product of its patch rows

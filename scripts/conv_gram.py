@@ -1,0 +1,112 @@
+"""How long a stride-1 convolution's ``A`` factor takes from shifted views of its input against
+the product of its patch rows, on a device.
+
+``core.conv_gram`` forms the factor of a stride-1 convolution from one GEMM per kernel
+displacement over the padded input (plus edge corrections) instead of the ``syrk`` of its
+im2col rows; ``core.layers.SHIFTED_CONV_GRAM`` switches it off. This script times both through
+the preconditioner's own capture-to-factor path, on the 3x3 layers of ResNet-18 at the
+benchmark's two input sizes, and checks that they agree::
+
+    python -m scripts.conv_gram                  # this machine's CPU
+    python -m scripts.conv_gram --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+import core.layers
+from core import KFACPreconditioner
+from scripts.bench import Clock, markdown_table
+
+#: (batch, channels, height = width) of ResNet-18's stride-1 3x3 convolutions: CIFAR stem at
+#: 32x32 with batch 32, ImageNet at 224x224 with batch 16.
+SHAPES = ((32, 64, 32), (32, 128, 16), (32, 256, 8), (32, 512, 4),
+          (16, 64, 56), (16, 128, 28), (16, 256, 14), (16, 512, 7))
+
+
+@contextmanager
+def shifted_gram(enabled: bool) -> Iterator[None]:
+    """``core.layers.SHIFTED_CONV_GRAM`` set to ``enabled``, restored afterwards."""
+    saved = core.layers.SHIFTED_CONV_GRAM
+    core.layers.SHIFTED_CONV_GRAM = enabled
+    try:
+        yield
+    finally:
+        core.layers.SHIFTED_CONV_GRAM = saved
+
+
+def factor_seconds(conv: nn.Conv2d, x: Tensor, clock: Clock, repeats: int
+                   ) -> tuple[float, Tensor]:
+    """Best seconds to turn a captured input into its batch ``A`` (with the current switch),
+    and that factor."""
+    layer = KFACPreconditioner(conv, factor_scaling="kfc").layers[0]
+    result: list[Tensor] = []
+
+    def form() -> None:
+        layer.capture_input(x)
+        layer.fold_captures()
+        batch = layer.a.take_batch()
+        assert batch is not None
+        result[:] = [batch]
+
+    return clock.best(form, repeats), result[0]
+
+
+def measure(shapes: Sequence[tuple[int, int, int]], device: torch.device, repeats: int
+            ) -> list[list[str]]:
+    """One table row per shape: both paths' times, the speed-up, FLOPs, and the agreement."""
+    clock = Clock(device)
+    lines = []
+    for batch, channels, size in shapes:
+        conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False).to(device)
+        x = torch.randn(batch, channels, size, size, device=device)
+        with shifted_gram(False):
+            rows_s, rows_a = factor_seconds(conv, x, clock, repeats)
+        with shifted_gram(True):
+            plan = core.layers.Conv2dHelper(conv).shifted_plan(x.shape)
+            shifted_s, shifted_a = factor_seconds(conv, x, clock, repeats)
+        if plan is None:  # the patches' product is the cheaper one here: nothing to compare
+            lines.append([f"{batch} x {channels} x {size}", f"{rows_s * 1e3:.3g}", "", "",
+                          "", ""])
+            continue
+        difference = ((shifted_a - rows_a).abs().max() / rows_a.abs().max()).item()
+        lines.append([f"{batch} x {channels} x {size}", f"{rows_s * 1e3:.3g}",
+                      f"{shifted_s * 1e3:.3g}", f"{rows_s / shifted_s:.2f}",
+                      f"{plan.flops(batch, channels) / plan.patch_flops(batch, channels):.2f}",
+                      f"{difference:.1e}"])
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="BxCxH",
+                        help="batch x channels x height of 3x3 convolutions (default: "
+                             "ResNet-18's)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None,
+         out: Callable[[str], object] = print) -> list[list[str]]:
+    """Print the table (and return its rows)."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    shapes = SHAPES if args.shapes is None else [
+        tuple(int(n) for n in s.split("x")) for s in args.shapes]
+    lines = measure(shapes, torch.device(args.device), args.repeats)  # type: ignore[arg-type]
+    header = ["batch x channels x size", "patch rows (ms)", "shifted views (ms)", "speed-up",
+              "FLOPs shifted / patches", "max relative difference"]
+    out(f"A factor of a stride-1 3x3 convolution, {args.device}:\n")
+    out(markdown_table(header, lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
