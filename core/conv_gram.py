@@ -68,7 +68,7 @@ class Plan:
     """How the patch Gram of one input size is computed, and what it costs.
 
     Attributes:
-        geometry: The convolution's. height, width: The unpadded input's spatial size.
+        geometry: The convolution's.
         padded: Padded height and width of the channels-last layout.
         output: Output height and width.
         blocks: Every block on or after the diagonal (offset order), with its corrections.
@@ -76,8 +76,6 @@ class Plan:
     """
 
     geometry: Geometry
-    height: int
-    width: int
     padded: tuple[int, int]
     output: tuple[int, int]
     blocks: tuple[_Block, ...]
@@ -153,7 +151,7 @@ def plan(geometry: Geometry, height: int, width: int) -> Plan:
                 corrections += [(inside, cols) for cols in _span_minus(overlap[1], window[1])]
         blocks.append(_Block(alpha, beta, shift, tuple(corrections)))
     shifts = tuple(dict.fromkeys(b.shift for b in blocks))
-    return Plan(geometry, height, width, padded, output, tuple(blocks), shifts)
+    return Plan(geometry, padded, output, tuple(blocks), shifts)
 
 
 class ShiftedPatches:

@@ -13,7 +13,6 @@ benchmark's two input sizes, and checks that they agree::
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -23,6 +22,7 @@ from torch import Tensor, nn
 import core.layers
 from core import KFACPreconditioner
 from scripts.bench import Clock, markdown_table
+from scripts.gram_blocks import parse_shape_args
 
 #: (batch, channels, height = width) of ResNet-18's stride-1 3x3 convolutions: CIFAR stem at
 #: 32x32 with batch 32, ImageNet at 224x224 with batch 16.
@@ -83,23 +83,12 @@ def measure(shapes: Sequence[tuple[int, int, int]], device: torch.device, repeat
     return lines
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shapes", nargs="+", default=None, metavar="BxCxH",
-                        help="batch x channels x height of 3x3 convolutions (default: "
-                             "ResNet-18's)")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None,
          out: Callable[[str], object] = print) -> list[list[str]]:
     """Print the table (and return its rows)."""
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    shapes = SHAPES if args.shapes is None else [
-        tuple(int(n) for n in s.split("x")) for s in args.shapes]
+    args, shapes = parse_shape_args(
+        __doc__.split("\n\n")[0], "BxCxH",
+        "batch x channels x height of 3x3 convolutions (default: ResNet-18's)", SHAPES, argv)
     lines = measure(shapes, torch.device(args.device), args.repeats)  # type: ignore[arg-type]
     header = ["batch x channels x size", "patch rows (ms)", "shifted views (ms)", "speed-up",
               "FLOPs shifted / patches", "max relative difference"]

@@ -77,22 +77,28 @@ def measure(shapes: Sequence[tuple[int, int]], device: torch.device, repeats: in
     return lines
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_shape_args(description: str, metavar: str, shapes_help: str,
+                     defaults: Sequence[tuple[int, ...]], argv: Sequence[str] | None
+                     ) -> tuple[argparse.Namespace, list[tuple[int, ...]]]:
+    """The options of a per-shape timing table (``--device``, ``--repeats``, ``--shapes`` as
+    ``AxB[xC]``) and the shapes to time; torch is set to one thread."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shapes", nargs="+", default=None, metavar="DIMxROWS",
-                        help="factor shapes (default: the benchmark models')")
-    return parser.parse_args(argv)
+    parser.add_argument("--shapes", nargs="+", default=None, metavar=metavar, help=shapes_help)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    shapes = list(defaults) if args.shapes is None else [
+        tuple(int(n) for n in s.split("x")) for s in args.shapes]
+    return args, shapes
 
 
 def main(argv: Sequence[str] | None = None,
          out: Callable[[str], object] = print) -> list[list[str]]:
     """Print the table (and return its rows)."""
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    shapes = SHAPES if args.shapes is None else [
-        tuple(int(n) for n in s.split("x")) for s in args.shapes]
+    args, shapes = parse_shape_args(__doc__.split("\n\n")[0], "DIMxROWS",
+                                    "factor shapes (default: the benchmark models')", SHAPES,
+                                    argv)
     lines = measure(shapes, torch.device(args.device), args.repeats)  # type: ignore[arg-type]
     header = ["factor dim x rows", "bound (ms)", *(f"blocks of {b}" for b in BLOCKS),
               "one GEMM", *(["syrk"] if args.device == "cpu" else [])]
