@@ -1,4 +1,5 @@
-"""The SciPy-backed CPU kernels work in the tensor's own memory and match float64 references."""
+"""The CPU kernels work in the tensor's own memory and match float64 references, through
+PyTorch's own LAPACK and through SciPy's."""
 
 from __future__ import annotations
 
@@ -6,6 +7,22 @@ import pytest
 import torch
 
 from core import host_kernels
+
+
+@pytest.fixture(params=["linked", "scipy"])
+def lapack(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each Cholesky test runs with PyTorch's own ``potrf`` and with SciPy's."""
+    if request.param == "scipy":
+        monkeypatch.setattr(host_kernels, "LINKED_POTRF", {})
+    elif not any(host_kernels.LINKED_POTRF.values()):
+        pytest.skip("this PyTorch build exports no LAPACK potrf")
+    return str(request.param)
+
+
+def test_pytorchs_own_lapack_is_found_where_it_links_mkl() -> None:
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this PyTorch build has no MKL")
+    assert all(host_kernels.LINKED_POTRF.values())
 
 
 def _spd(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -16,8 +33,8 @@ def _spd(n: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("lower_in_matrix", [True, False])
-def test_cholesky_in_place_writes_one_triangle_and_leaves_the_other(dtype: torch.dtype,
-                                                                    lower_in_matrix: bool) -> None:
+def test_cholesky_in_place_writes_one_triangle_and_leaves_the_other(
+        dtype: torch.dtype, lower_in_matrix: bool, lapack: str) -> None:
     spd = _spd(9, dtype)
     matrix = spd.clone()
     address = matrix.data_ptr()
@@ -32,7 +49,8 @@ def test_cholesky_in_place_writes_one_triangle_and_leaves_the_other(dtype: torch
     assert torch.equal(untouched, kept)
 
 
-def test_cholesky_in_place_reports_the_first_minor_that_is_not_positive_definite() -> None:
+def test_cholesky_in_place_reports_the_first_minor_that_is_not_positive_definite(
+        lapack: str) -> None:
     matrix = torch.diag(torch.tensor([4.0, 1.0, -2.0, 3.0]))
     assert host_kernels.cholesky_in_place(matrix, lower_in_matrix=True) == 3
 
