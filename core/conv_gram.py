@@ -224,14 +224,19 @@ class ShiftedPatches:
     def _block(self, block: _Block, correlations: dict[tuple[int, int], Tensor],
                scale: float) -> Tensor:
         """``scale · S(α, β)``: the scaled correlation at the block's displacement less the
-        pairs outside its window; a diagonal block made exactly symmetric."""
-        value = correlations[block.shift].clone()
+        pairs outside its window; a diagonal block made exactly symmetric. A block without
+        corrections off the diagonal is the shared correlation itself (read-only); the first
+        correction writes a new matrix, so no block costs a copy of its own."""
+        value = correlations[block.shift]
         channels = value.shape[0]
         dh, dw = block.shift
-        for (r0, r1), (c0, c1) in block.corrections:
+        for i, ((r0, r1), (c0, c1)) in enumerate(block.corrections):
             left = self.images[:, r0:r1, c0:c1].reshape(-1, channels)
             right = self.images[:, r0 + dh:r1 + dh, c0 + dw:c1 + dw].reshape(-1, channels)
-            value.addmm_(left.T, right, alpha=-scale)
+            if i == 0:
+                value = torch.addmm(value, left.T, right, alpha=-scale)
+            else:
+                value.addmm_(left.T, right, alpha=-scale)
         if block.alpha == block.beta:  # (v + vᵀ) / 2 is exactly symmetric: addition commutes
             value = (value + value.T).mul_(0.5)
         return value

@@ -28,8 +28,15 @@ ROW_PART_BYTES = 4 * 2**20
 #: written once per slice).
 MIN_PART_ROWS = 1024
 #: Build a stride-1 convolution's ``A`` factor from shifted views of its padded input
-#: (:mod:`core.conv_gram`) whenever that takes fewer FLOPs than the product of its patches.
+#: (:mod:`core.conv_gram`) whenever that takes clearly fewer FLOPs than the product of its
+#: patches (:data:`SHIFTED_FLOP_FRACTION`).
 SHIFTED_CONV_GRAM = True
+#: The shifted product is used only below this fraction of the patches' FLOPs: it also
+#: assembles the ``d × d`` factor block by block and corrects the edges in small GEMMs, passes
+#: the patches' one ``syrk`` does not make. On ResNet-18's 3x3 layers at 0.84 of the FLOPs
+#: (512 channels at 4x4) it took 0.8-1.2x the patches' time on this project's CPUs, at 0.61
+#: (512 at 7x7) 0.85-0.9x, at 0.57 and below 0.25-0.7x (``python -m scripts.conv_gram``).
+SHIFTED_FLOP_FRACTION = 0.75
 
 
 def batch_slices(tensor: Tensor, rows_per_example: int, dim: int, itemsize: int
@@ -274,14 +281,16 @@ class Conv2dHelper(LayerHelper):
 
     def shifted_plan(self, input_shape: torch.Size) -> conv_gram.Plan | None:
         """A plan for stride-1 convolutions of more than one tap whose shifted product takes
-        fewer FLOPs than the patches' (on ResNet-18's 3x3 layers 0.35-0.84 of them)."""
+        under :data:`SHIFTED_FLOP_FRACTION` of the patches' FLOPs (on ResNet-18's 3x3 layers
+        0.35-0.84 of them, so all but the 512-channel ones at 4x4)."""
         conv = self.conv
         if not SHIFTED_CONV_GRAM or conv.stride != (1, 1) or conv.kernel_size == (1, 1):
             return None
         batch, channels, height, width = input_shape
         plan = conv_gram.plan(conv_gram.Geometry(conv.kernel_size, conv.dilation,
                                                  self._padding()), height, width)
-        if plan.flops(batch, channels) >= plan.patch_flops(batch, channels):
+        if plan.flops(batch, channels) >= SHIFTED_FLOP_FRACTION * plan.patch_flops(batch,
+                                                                                   channels):
             return None
         return plan
 

@@ -3,13 +3,15 @@
 #   1. the device tests (tests/core/test_devices.py: every method on CUDA against float64 on the
 #      CPU, bf16 state and autocast, CUDA-event stage times);
 #   2. scripts/gram_blocks.py: each way of forming a factor against its bound, to choose
-#      core.factors.GRAM_BLOCK for the device from data;
+#      core.factors.GRAM_BLOCK for the device from data, and scripts/conv_gram.py: a stride-1
+#      convolution's A from shifted views against its patches, to check on the device the
+#      choice core.layers.SHIFTED_FLOP_FRACTION makes;
 #   3. scripts/bench.py on CUDA (bf16 autocast, CUDA events), one workload at a time, each with
 #      its own time limit and JSON file, so a slow one does not take the others' results with it.
 # Everything lands in $OUT (the device tool's output folder) or ./gpu_check. Run from the
 # repository root with a Python that has torch with CUDA, timm, transformers, scipy and pytest:
 #   bash scripts/gpu_check.sh
-# DEVICE, GRAM_ARGS, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults (the tests
+# DEVICE, GRAM_ARGS, CONV_ARGS, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults (the tests
 # run the script on the CPU with a quick benchmark). The defaults fit the device tool's 10-minute
 # command; a workload cut off by its limit can be run again alone (WORKLOADS=...).
 set -uo pipefail
@@ -18,7 +20,7 @@ out=${OUT:-gpu_check}
 python=${PYTHON:-python3}
 device=${DEVICE:-cuda}
 workloads=${WORKLOADS:-resnet18-32 bert-small resnet18-224}
-bench_seconds=${BENCH_SECONDS:-150}
+bench_seconds=${BENCH_SECONDS:-130}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 
@@ -40,6 +42,11 @@ tail -n 3 "$out/tests.log"
 timeout 90 "$python" -m scripts.gram_blocks --device "$device" ${GRAM_ARGS:-} \
     >"$out/gram_blocks.md" 2>&1 || status=1
 tail -n 2 "$out/gram_blocks.md"
+
+# shellcheck disable=SC2086  # CONV_ARGS is a list of options
+timeout 60 "$python" -m scripts.conv_gram --device "$device" ${CONV_ARGS:-} \
+    >"$out/conv_gram.md" 2>&1 || status=1
+tail -n 2 "$out/conv_gram.md"
 
 for workload in $workloads; do
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
