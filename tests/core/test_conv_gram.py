@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from core.conv_gram import Geometry, ShiftedPatches, plan
-from core.layers import Conv2dHelper
+from core.layers import SHIFTED_FLOP_FRACTION, Conv2dHelper
 from tests.core.reference import conv_patches_naive, with_bias_column
 
 KERNELS = [(3, 3), (1, 3), (2, 2), (5, 3)]
@@ -96,13 +96,16 @@ def test_plan_refuses_a_kernel_larger_than_the_padded_input() -> None:
     (nn.Conv2d(64, 64, 3, stride=2, padding=1), (32, 64, 16, 16), False),  # strided
     (nn.Conv2d(64, 64, 1), (32, 64, 16, 16), False),  # the rows are the input itself
     (nn.Conv2d(64, 64, 3, padding=1), (32, 64, 1, 1), False),  # mostly padding: costlier
+    (nn.Conv2d(512, 512, 3, padding=1), (32, 512, 4, 4), False),  # 0.84 of the FLOPs: too few
+    (nn.Conv2d(512, 512, 3, padding=1), (16, 512, 7, 7), True),  # 0.61
 ])
-def test_helper_plans_only_where_it_saves_flops(conv: nn.Conv2d, shape: tuple[int, ...],
-                                                shifted: bool) -> None:
+def test_helper_plans_only_where_it_saves_enough_flops(conv: nn.Conv2d, shape: tuple[int, ...],
+                                                       shifted: bool) -> None:
     p = Conv2dHelper(conv).shifted_plan(torch.Size(shape))
     assert (p is not None) == shifted
     if p is not None:
-        assert p.flops(shape[0], shape[1]) < p.patch_flops(shape[0], shape[1])
+        saved = p.flops(shape[0], shape[1]) / p.patch_flops(shape[0], shape[1])
+        assert saved < SHIFTED_FLOP_FRACTION
 
 
 def test_switch_turns_the_shifted_product_off(monkeypatch: pytest.MonkeyPatch) -> None:
