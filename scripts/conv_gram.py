@@ -33,11 +33,11 @@ SHAPES = ((32, 64, 32), (32, 128, 16), (32, 256, 8), (32, 512, 4),
 
 
 @contextmanager
-def shifted_gram(enabled: bool, fraction: float = 1.0) -> Iterator[None]:
-    """``core.layers.SHIFTED_CONV_GRAM`` set to ``enabled`` and ``SHIFTED_FLOP_FRACTION`` to
-    ``fraction`` (by default: wherever it saves FLOPs), both restored afterwards."""
+def shifted_gram(enabled: bool) -> Iterator[None]:
+    """``core.layers.SHIFTED_CONV_GRAM`` set to ``enabled``, and the shifted product taken
+    wherever it saves any FLOPs (``SHIFTED_FLOP_FRACTION`` 1); both restored afterwards."""
     saved = core.layers.SHIFTED_CONV_GRAM, core.layers.SHIFTED_FLOP_FRACTION
-    core.layers.SHIFTED_CONV_GRAM, core.layers.SHIFTED_FLOP_FRACTION = enabled, fraction
+    core.layers.SHIFTED_CONV_GRAM, core.layers.SHIFTED_FLOP_FRACTION = enabled, 1.0
     try:
         yield
     finally:

@@ -11,9 +11,10 @@
 # Everything lands in $OUT (the device tool's output folder) or ./gpu_check. Run from the
 # repository root with a Python that has torch with CUDA, timm, transformers, scipy and pytest:
 #   bash scripts/gpu_check.sh
-# DEVICE, GRAM_ARGS, CONV_ARGS, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults (the tests
-# run the script on the CPU with a quick benchmark). The defaults fit the device tool's 10-minute
-# command; a workload cut off by its limit can be run again alone (WORKLOADS=...).
+# DEVICE, GRAM_ARGS, CONV_ARGS, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults
+# (the tests run the script on the CPU with a quick benchmark). The defaults fit the device
+# tool's 10-minute command; a workload cut off by its limit can be run again alone
+# (WORKLOADS=...).
 set -uo pipefail
 
 out=${OUT:-gpu_check}
