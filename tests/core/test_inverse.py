@@ -11,8 +11,10 @@ from torch import nn
 from core import KFACPreconditioner
 from core.config import ConfigError
 from core.inverse import (
+    RESCALE_EXPONENT,
     CholeskyState,
     DecompositionError,
+    _damped,
     damped_cholesky,
     damped_inverse,
     eigen_decompose,
@@ -362,3 +364,30 @@ def test_a_checkpoint_loads_into_another_precondition_dtype() -> None:
         for a, b in zip(before.state.tensors(), after.state.tensors(), strict=True):
             assert b.dtype == torch.bfloat16
             torch.testing.assert_close(b, a.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("exponent", [-47, -24, 0, 30])
+def test_damped_decompositions_hold_at_any_factor_scale(exponent: int,
+                                                        inversion_path: str) -> None:
+    """A factor far from unit scale (an attention key's output gradients sit near 2⁻⁴⁷) is
+    decomposed scaled by an exact power of two: the results match the float64 formulas at
+    every scale, and only factors beyond 2^±RESCALE_EXPONENT are scaled."""
+    torch.manual_seed(9)
+    x = torch.randn(40, 24, dtype=torch.float64)
+    scale = 2.0**exponent
+    factor, shift = x.T @ x / 40 * scale, 1e-2 * scale
+    damped = factor + shift * torch.eye(24, dtype=torch.float64)
+    for method in ("inverse", "cholesky"):
+        inv = damped_inverse(factor, shift, method, torch.float32)
+        torch.testing.assert_close(inv.double() * scale, torch.linalg.inv(damped) * scale,
+                                   rtol=1e-4, atol=1e-4)
+    chol = damped_cholesky(factor, shift, torch.float32)
+    torch.testing.assert_close(chol.double() / math.sqrt(scale),
+                               torch.linalg.cholesky(damped) / math.sqrt(scale),
+                               rtol=1e-4, atol=1e-5)
+    matrix, applied = _damped(factor.float(), shift)
+    assert applied % 2 == 0
+    assert applied == (0 if abs(exponent) <= RESCALE_EXPONENT else
+                       2 * round(math.log2(float(damped.diagonal().mean())) / 2))
+    assert float(matrix.diagonal().mean()) == pytest.approx(
+        float(damped.diagonal().mean()) * 2.0**-applied, rel=1e-5)
