@@ -215,3 +215,29 @@ def test_recorded_shapes_carry_the_shifted_plan_of_stride_1_convolutions() -> No
     assert shapes["0"] == (2 * 16 * 16, 2 * 4 * 16 * 16 + 2 * 8 * 16 * 16,
                            (plan.flops(2, 4), 4))
     assert shapes["1"][2] is None  # strided: the product of its patch rows
+
+
+def test_every_timed_step_starts_from_the_initial_parameters(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base and the method train from the same values at every step, so value-dependent
+    kernel costs (a large softmax's backward) do not move their ratio."""
+    workload = bench.WORKLOADS["tiny-cnn"]
+    method = next(m for m in bench.METHODS if m.name == "kfac-inverse")
+    device = torch.device("cpu")
+    clock = bench.Clock(device)
+    base = bench.Trainer(workload, None, frozenset(), device, bench.nullcontext)
+    initial = [p.detach().clone() for p in base.model.parameters()]
+    entries: list[bool] = []
+    step = bench.Trainer.step
+
+    def checked_step(trainer: bench.Trainer) -> None:
+        entries.append(all(torch.equal(p, q) for p, q in
+                           zip(trainer.model.parameters(), initial, strict=True)))
+        step(trainer)
+        assert not all(torch.equal(p, q) for p, q in
+                       zip(trainer.model.parameters(), initial, strict=True))
+
+    monkeypatch.setattr(bench.Trainer, "step", checked_step)
+    run = bench.run_method(workload, method, base, device, clock, bench.MemoryProbe(device),
+                           bench.nullcontext)
+    assert len(entries) == 2 * (len(run.seconds) + bench.WARM_STEPS) and all(entries)
