@@ -571,14 +571,31 @@ class MethodRun:
                                else s.get(column, 0.0) for s in self.stages])
 
 
-class Trainer:
-    """A model, its optimizer (built by ``core.optim.build_optimizer``) and a fixed batch.
+class ParameterSnapshot:
+    """A model's parameters as they are now, to start later steps from.
 
-    Every step can start from the model's initial parameters (:meth:`restore`, outside the
-    clock), so the base and every method run the same forward and backward pass on the same
+    The runners restore every trainer's initial parameters before each step, outside the
+    clock, so the base and every method run the same forward and backward pass on the same
     values: the cost of kernels that depend on the values (the backward of the small BERT's
     30,522-way log-softmax took 43-215 ms over consecutive steps as the model fitted its fixed
     batch) is then the same for both, and a method that trains faster is not charged for it.
+    Optimizer and curvature state carry on.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.values = [p.detach().clone() for p in model.parameters()]
+
+    def restore(self) -> None:
+        """Put the snapshot's values back into the model's parameters."""
+        with torch.no_grad():
+            for param, value in zip(self.model.parameters(), self.values, strict=True):
+                param.copy_(value)
+
+
+class Trainer:
+    """A model, its optimizer (built by ``core.optim.build_optimizer``) and a fixed batch,
+    with its initial parameters (``start``, a :class:`ParameterSnapshot`).
 
     Args:
         workload: What to train.
@@ -603,13 +620,7 @@ class Trainer:
         self.optimizer = build_optimizer(method.optimizer if method else workload.base,
                                          self.model, lr=workload.lr, **options)
         self.average_positions = options.get("factor_scaling") == "dpkfac"
-        self.initial = [p.detach().clone() for p in self.model.parameters()]
-
-    def restore(self) -> None:
-        """Put the initial parameters back (optimizer and curvature state carry on)."""
-        with torch.no_grad():
-            for param, initial in zip(self.model.parameters(), self.initial, strict=True):
-                param.copy_(initial)
+        self.start = ParameterSnapshot(self.model)
 
     def step(self) -> None:
         """One training step."""
@@ -674,9 +685,9 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     for i in range(len(kinds)):
         if check_size:
             checks.append(gemm_rate(*check, clock, repeats=2))
-        base.restore()
+        base.start.restore()
         base_seconds.append(clock.time(base.step))
-        trainer.restore()
+        trainer.start.restore()
         warm = i < WARM_STEPS  # memory is measured on the untimed warm-up steps only: its
         if warm:  # probe returns freed heap memory, which timed steps would pay to fault in
             memory.mark()

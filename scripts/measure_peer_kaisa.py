@@ -151,7 +151,8 @@ KAISA_CONFIG = {
 
 # Measurement ---------------------------------------------------------------------------------
 class PeerTrainer:
-    """The benchmark's model, batch and first-order optimizer, preconditioned by a peer.
+    """The benchmark's model, batch and first-order optimizer, preconditioned by a peer, with
+    its initial parameters (``start``; every step starts from them, as in bench.py).
 
     Args:
         workload: What to train (bench.py's).
@@ -169,6 +170,7 @@ class PeerTrainer:
         self.optimizer = build_optimizer(workload.base, self.model, lr=workload.lr)
         self.preconditioner = make_preconditioner(
             self.model, bench.update_schedule(updates), workload.lr)
+        self.start = bench.ParameterSnapshot(self.model)
 
     def step(self) -> None:
         """One training step, the peer's documented loop."""
@@ -187,7 +189,9 @@ def run_peer(workload: bench.Workload, make_preconditioner: PeerFactory, base: b
     trainer = PeerTrainer(workload, make_preconditioner, updates, device)
     seconds, base_seconds = [], []
     for _ in kinds:
+        base.start.restore()
         base_seconds.append(clock.time(base.step))
+        trainer.start.restore()
         seconds.append(clock.time(trainer.step))
     warm = bench.WARM_STEPS
     timed = len(kinds) - warm

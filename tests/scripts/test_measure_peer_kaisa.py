@@ -184,3 +184,20 @@ def test_bf16_run_pairs_kaisa_inv_dtype_with_our_bf16_state() -> None:
     assert peer.OURS["bfloat16"] in {m.name for m in bench.METHODS}
     options = next(m.options for m in bench.METHODS if m.name == peer.OURS["bfloat16"])
     assert options["precondition_dtype"] == "bfloat16"
+
+
+def test_every_peer_and_base_step_starts_from_its_initial_parameters() -> None:
+    """As bench.py's runner: the base and the peer start each step from their snapshots."""
+    entries: list[bool] = []
+
+    class CheckingClock(FakeClock):
+        def time(self, fn: Callable[[], object]) -> float:
+            owner: Any = fn.__self__  # type: ignore[attr-defined]
+            entries.append(all(torch.equal(p, v) for p, v in
+                               zip(owner.model.parameters(), owner.start.values, strict=True)))
+            return super().time(fn)
+
+    rounds = 1
+    peer.measure(tiny(rounds), FakePeer, blocks=1, device=torch.device("cpu"),
+                 clock=CheckingClock(rounds), include_ours=False)  # type: ignore[arg-type]
+    assert len(entries) == 2 * len(bench.step_kinds(rounds)) and all(entries)
