@@ -576,10 +576,9 @@ class ParameterSnapshot:
 
     The runners restore every trainer's initial parameters before each step, outside the
     clock, so the base and every method run the same forward and backward pass on the same
-    values: the cost of kernels that depend on the values (the backward of the small BERT's
-    30,522-way log-softmax took 43-215 ms over consecutive steps as the model fitted its fixed
-    batch) is then the same for both, and a method that trains faster is not charged for it.
-    Optimizer and curvature state carry on.
+    values: a kernel whose cost depends on the values costs the same in both, and a method
+    that fits the fixed batch faster is not charged for it. Optimizer and curvature state
+    carry on.
     """
 
     def __init__(self, model: nn.Module) -> None:
