@@ -75,12 +75,12 @@ class SymmetricGram:
         """The symmetric sum (the accumulator must not be used afterwards)."""
         out = self.out
         assert self.beta == 1.0, "a factor needs at least one part of rows"
+        if self.syrk:  # the upper triangle is the result
+            host_kernels.mirror_upper(out)
+            return out
         for i, (r0, r1) in enumerate(self.edges):
             diagonal = out[r0:r1, r0:r1]
-            if self.syrk:  # the upper triangle is the result: mirror it
-                diagonal.copy_(diagonal.triu() + diagonal.triu(1).T)
-            else:
-                diagonal.add_(diagonal.T.clone(memory_format=torch.contiguous_format)).mul_(0.5)
+            diagonal.add_(diagonal.T.clone(memory_format=torch.contiguous_format)).mul_(0.5)
             for c0, c1 in self.edges[i + 1:]:
                 out[c0:c1, r0:r1] = out[r0:r1, c0:c1].T
         return out

@@ -58,3 +58,18 @@ def test_cholesky_in_place_reports_the_first_minor_that_is_not_positive_definite
 def test_cholesky_in_place_refuses_a_matrix_it_would_have_to_copy() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         host_kernels.cholesky_in_place(torch.eye(4)[:, ::2], lower_in_matrix=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+def test_mirror_upper_copies_the_upper_triangle_exactly_in_place(dtype: torch.dtype,
+                                                                  n: int) -> None:
+    """Panel edges included (``MIRROR_PANEL`` is 64): the result is the upper triangle
+    reflected, bit for bit, in the matrix's own memory."""
+    torch.manual_seed(4)
+    matrix = torch.randn(n, n, dtype=dtype)
+    upper = matrix.triu()
+    address = matrix.data_ptr()
+    host_kernels.mirror_upper(matrix)
+    assert matrix.data_ptr() == address
+    assert torch.equal(matrix, upper + upper.triu(1).T)
