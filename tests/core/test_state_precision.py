@@ -120,6 +120,27 @@ def test_a_state_with_sides_of_two_dtypes_applies_the_wide_side_first(kind: str,
         torch.testing.assert_close(p, by_hand.double(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("a_dim", "g_dim"), [(9, 4), (4, 9), (5, 5)])
+def test_bf16_inverses_apply_the_wider_a_side_first_and_write_p_row_major(a_dim: int,
+                                                                          g_dim: int) -> None:
+    """With both sides in bf16, a wider ``A`` goes first, as ``(A⁻¹·∇W̄ᵀ)ᵀ`` (the faster GEMM
+    on the CPU), otherwise ``G``; ``P`` stays within bf16 rounding of the dense product and
+    comes out row-major, so writing it into ``.grad`` is a plain copy."""
+    a, g, damping = spd(a_dim, 12, seed=6), spd(g_dim, 12, seed=7), 0.2
+    grad = torch.randn(g_dim, a_dim, dtype=torch.float64)
+    ta, tg = side_tensors("inverse", a, damping), side_tensors("inverse", g, damping)
+    exact = dense_inverse_precondition(grad, a, g, damping, damping)
+    state = make_state("inverse", [*ta, *tg])
+    for side in SIDES:
+        state.convert_side(side, torch.bfloat16)
+    p = precondition(grad, state, damping)
+    assert p.dtype == torch.bfloat16 and p.is_contiguous()
+    assert 0 < float((p.double() - exact).norm() / exact.norm()) < 2**-6
+    a_inv, g_inv, rounded = ta[0].bfloat16(), tg[0].bfloat16(), grad.bfloat16()
+    by_hand = (g_inv @ (a_inv @ rounded.T).T if a_dim > g_dim else (g_inv @ rounded) @ a_inv)
+    torch.testing.assert_close(p, by_hand, rtol=0, atol=0)
+
+
 def rank_deficient_classifier() -> nn.Module:
     """A convolution, then a classifier whose 65-wide input factor sees 4 rows per batch
     (and whose 3-wide output factor has softmax's null vector)."""
