@@ -277,6 +277,39 @@ def test_memory_usage_and_stage_timings_are_reported() -> None:
     assert metrics["time/inversion"] > 0 and metrics["time/factors"] > 0
 
 
+def test_decompositions_run_widest_factor_first_and_the_order_changes_no_gradient(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The widest factors are decomposed first (their transients then meet an empty heap); the
+    layers are independent, so the preconditioned gradients equal those of model order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 9), nn.Tanh(),
+                          nn.Linear(9, 2)).double()
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randn(16, 2, dtype=torch.float64)
+    grads = {}
+    for order in ("widest first", "model order"):
+        replica = copy.deepcopy(model)
+        precond = KFACPreconditioner(replica, inverse_method="eigen", factor_dtype="float64",
+                                     inverse_dtype="float64")
+        if order == "model order":
+            precond._widest_first = list(precond.layers)
+        calls: list[str] = []
+        compute = KFACLayer.compute_inverse
+
+        def spy(layer: KFACLayer, calls: list[str] = calls, compute=compute, **kwargs) -> None:
+            calls.append(layer.name)
+            compute(layer, **kwargs)
+
+        monkeypatch.setattr(KFACLayer, "compute_inverse", spy)
+        backward(replica, x, y)
+        precond.step()
+        monkeypatch.undo()
+        grads[order] = [p.grad.clone() for p in replica.parameters()]
+        if order == "widest first":  # widths (a, g): (4, 5), (6, 9), (10, 2)
+            assert calls == ["4", "2", "0"]
+    for widest, ordered in zip(grads["widest first"], grads["model order"], strict=True):
+        assert torch.equal(widest, ordered)
+
+
 def test_disabled_stage_is_skipped() -> None:
     model = mlp()
     precond = KFACPreconditioner(model, disabled_stages=["precondition"])
