@@ -99,7 +99,8 @@ def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible(
 @pytest.mark.parametrize(("saved", "shown"), [
     ("bench_cpu_2026-12-01_c.json", ("targets", "bounds")),
     ("bench_cpu_2026-12-01_b.json", ("targets", "bounds")),
-    ("bench_cpu_2026-12-01_d.json", None),
+    ("bench_cpu_2026-12-01_d.json", ("targets",)),
+    ("bench_cpu_2026-12-01_e.json", None),
     ("bench_cpu_resnet18-32_2026-12-01_mirror.json", ("targets", "bounds")),
     ("bench_cpu_resnet18_bf16_2026-12-01_oriented.json", ("targets", "bounds")),
     ("bench_cpu_bert_rounds20_2026-12-01_mirror.json", ("results", "bounds", "targets")),
