@@ -252,14 +252,12 @@ def inverse_in_place(matrix: Tensor) -> int:
     factor, in its own memory; LAPACK's ``info`` (0 when done, else the order of the first minor
     that is not positive definite, and ``matrix`` is spent).
 
-    ``potrf`` (:mod:`core.host_kernels`) and then ``potri`` (torch, which fills both triangles
-    of the result) both work on the column-major view ``matrix.T``, which is the same matrix:
-    no copy and no scratch matrix.
+    ``potrf`` and then ``potri`` (:mod:`core.host_kernels`) both work on the column-major view
+    ``matrix.T``, which is the same matrix: no copy and no scratch matrix.
     """
     info = host_kernels.cholesky_in_place(matrix, lower_in_matrix=False)
     if info == 0:
-        column_major = matrix.T
-        torch.cholesky_inverse(column_major, out=column_major)
+        info = host_kernels.inverse_from_cholesky_in_place(matrix)
     return info
 
 

@@ -11,11 +11,12 @@ from core import host_kernels
 
 @pytest.fixture(params=["linked", "scipy"])
 def lapack(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each Cholesky test runs with PyTorch's own ``potrf`` and with SciPy's."""
+    """Each Cholesky test runs with PyTorch's own ``potrf`` and ``potri`` and with SciPy's."""
     if request.param == "scipy":
         monkeypatch.setattr(host_kernels, "LINKED_POTRF", {})
-    elif not any(host_kernels.LINKED_POTRF.values()):
-        pytest.skip("this PyTorch build exports no LAPACK potrf")
+        monkeypatch.setattr(host_kernels, "LINKED_POTRI", {})
+    elif not all([*host_kernels.LINKED_POTRF.values(), *host_kernels.LINKED_POTRI.values()]):
+        pytest.skip("this PyTorch build exports no LAPACK potrf and potri")
     return str(request.param)
 
 
@@ -23,6 +24,7 @@ def test_pytorchs_own_lapack_is_found_where_it_links_mkl() -> None:
     if not torch.backends.mkl.is_available():
         pytest.skip("this PyTorch build has no MKL")
     assert all(host_kernels.LINKED_POTRF.values())
+    assert all(host_kernels.LINKED_POTRI.values())
 
 
 def _spd(n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -53,6 +55,30 @@ def test_cholesky_in_place_reports_the_first_minor_that_is_not_positive_definite
         lapack: str) -> None:
     matrix = torch.diag(torch.tensor([4.0, 1.0, -2.0, 3.0]))
     assert host_kernels.cholesky_in_place(matrix, lower_in_matrix=True) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [1, 9, 130])
+def test_inverse_from_cholesky_in_place_is_the_exactly_symmetric_inverse(
+        dtype: torch.dtype, n: int, lapack: str) -> None:
+    """``potrf`` then ``potri`` and the mirror, in the matrix's own memory, against the
+    float64 inverse; 130 crosses the mirror's 64-row panels."""
+    spd = _spd(n, dtype)
+    matrix = spd.clone()
+    address = matrix.data_ptr()
+    assert host_kernels.cholesky_in_place(matrix, lower_in_matrix=False) == 0
+    assert host_kernels.inverse_from_cholesky_in_place(matrix) == 0
+    assert matrix.data_ptr() == address
+    assert torch.equal(matrix, matrix.T)
+    expected = torch.linalg.inv(spd.double())
+    tolerance = {"rtol": 1e-3, "atol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(matrix.double(), expected, **tolerance)
+
+
+def test_inverse_from_cholesky_in_place_reports_a_zero_pivot(lapack: str) -> None:
+    """A factor with a zero on its diagonal has no inverse: LAPACK's ``info`` names it."""
+    factor = torch.tensor([[2.0, 1.0, 0.5], [0.0, 0.0, 1.0], [0.0, 0.0, 3.0]])  # Lᵀ, upper
+    assert host_kernels.inverse_from_cholesky_in_place(factor) == 2
 
 
 def test_cholesky_in_place_refuses_a_matrix_it_would_have_to_copy() -> None:
