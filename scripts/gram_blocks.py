@@ -78,14 +78,18 @@ def measure(shapes: Sequence[tuple[int, int]], device: torch.device, repeats: in
 
 
 def parse_shape_args(description: str, metavar: str, shapes_help: str,
-                     defaults: Sequence[tuple[int, ...]], argv: Sequence[str] | None
+                     defaults: Sequence[tuple[int, ...]], argv: Sequence[str] | None,
+                     more: Callable[[argparse.ArgumentParser], object] | None = None
                      ) -> tuple[argparse.Namespace, list[tuple[int, ...]]]:
     """The options of a per-shape timing table (``--device``, ``--repeats``, ``--shapes`` as
-    ``AxB[xC]``) and the shapes to time; torch is set to one thread."""
+    ``AxB[xC]``, and those ``more`` adds to the parser) and the shapes to time; torch is set
+    to one thread."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shapes", nargs="+", default=None, metavar=metavar, help=shapes_help)
+    if more is not None:
+        more(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     shapes = list(defaults) if args.shapes is None else [
