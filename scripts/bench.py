@@ -36,6 +36,7 @@ thread settings and the load average, because other processes share the machine.
     python scripts/bench.py --quick                      # tiny models, seconds (what the test runs)
     python scripts/bench.py --json scripts/results/bench_cpu.json   # the full run (~20 minutes)
     python scripts/bench.py --device cuda --json scripts/results/bench_cuda.json
+    python scripts/bench.py --reamortize scripts/results/bench_cpu.json --intervals 1 50
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -1156,6 +1157,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-autocast", action="store_true",
                         help="on a GPU, run the forward and backward in fp32")
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
+    parser.add_argument("--reamortize", type=Path, metavar="JSON",
+                        help="measure nothing: print a saved run's results, bounds and targets "
+                             "amortized over --intervals, from its raw steps")
     parser.add_argument("--in-process", action="store_true",
                         help="measure every method in this process, one after another, "
                              "instead of each in a fresh one (faster to start; what earlier "
@@ -1177,6 +1181,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print its markdown tables, and return (and optionally write) them."""
     args = parse_args(argv)
+    if args.reamortize is not None:
+        out = reamortize(json.loads(args.reamortize.read_text()), args.intervals)
+        print(tables_markdown({k: out["tables"][k] for k in ("results", "bounds", "targets")}))
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(out, indent=1, default=str))
+        return out
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     clock = Clock(device)
@@ -1212,7 +1223,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # A shared machine slows down at times: the rates are the best of two measurements,
         # one before the runs and one after, so a slow spell cannot lower a bound.
         rates = all_rates[name] = before.fastest(rates_now())
-        base_steps[name] = statistics.median(t for r in runs.values() for t in r.base_seconds)
+        base_steps[name] = base_step(runs.values())
         for method in methods:
             run, base_peak = measured[method.name]
             raw[name][method.name] = asdict(run) | {"base_peak_bytes": base_peak}
@@ -1221,7 +1232,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"[{name} done at {time.perf_counter() - started:.0f} s, load "
               f"{os.getloadavg()[0]:.2f}]", file=sys.stderr, flush=True)
     load["end"] = os.getloadavg()
-    goals = targets(rows, peers, 0.0 if device.type == "cuda" else CPU_MEMORY_FLOOR_MB)
+    goals = targets(rows, peers, memory_floor(device.type))
     env = environment(device)
     env["methods measured"] = ("one after another in this process" if args.in_process
                                else "each in a fresh process")
@@ -1254,11 +1265,55 @@ def rerender_targets(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved run with its targets judged again from its rows by :func:`targets` (after the
     targets' rules change; the measurements are untouched)."""
     rows = [Row(**r) for r in saved["rows"]]
-    peers = Peers(**saved["peers"])
-    floor = 0.0 if saved["environment"]["device"].startswith("cuda") else CPU_MEMORY_FLOOR_MB
-    goals = targets(rows, peers, floor)
+    goals = targets(rows, Peers(**saved["peers"]), saved_memory_floor(saved))
     return {**saved, "targets": goals, "tables": {**saved["tables"],
                                                   "targets": targets_table(goals)}}
+
+
+def base_step(runs: Iterable[MethodRun]) -> float:
+    """A workload's first-order step: the median of the base steps run beside its methods."""
+    return statistics.median(t for run in runs for t in run.base_seconds)
+
+
+def memory_floor(device_type: str) -> float:
+    """Memory below which a method's state is within the probe's noise (:func:`targets`)."""
+    return 0.0 if device_type == "cuda" else CPU_MEMORY_FLOOR_MB
+
+
+def saved_memory_floor(saved: dict[str, Any]) -> float:
+    """:func:`memory_floor` of the device a saved run measured."""
+    return memory_floor(saved["environment"]["device"].split(":")[0])
+
+
+def saved_method_run(raw: dict[str, Any]) -> tuple[MethodRun, int]:
+    """A method's measurements as :func:`main` saves them (``raw``), and the peak bytes of its
+    process's base run."""
+    fields = {k: v for k, v in raw.items() if k != "base_peak_bytes"}
+    layers = [LayerShape(**{**x, "a_shifted": None if x["a_shifted"] is None
+                            else tuple(x["a_shifted"])}) for x in fields["layers"]]
+    return MethodRun(**{**fields, "layers": layers}), raw["base_peak_bytes"]
+
+
+def reamortize(saved: dict[str, Any], intervals: Sequence[int]) -> dict[str, Any]:
+    """A saved run's rows, targets and their tables amortized over ``intervals`` from its raw
+    steps and rates: the update and plain steps it timed do not depend on the interval, so
+    nothing is measured again (a run made with ``--intervals 10`` read every step, say)."""
+    rows: list[Row] = []
+    base_steps: dict[str, float] = {}
+    for name, raw in saved["raw"].items():
+        rates = Rates(**{kind: {int(n): rate for n, rate in value.items()}
+                         if isinstance(value, dict) else value
+                         for kind, value in saved["rates"][name].items()})
+        runs = {m.name: saved_method_run(raw[m.name]) for m in METHODS if m.name in raw}
+        base_steps[name] = base_step(run for run, _ in runs.values())
+        for method in METHODS:
+            if method.name in runs:
+                run, base_peak = runs[method.name]
+                rows += summarise(name, base_peak, method, run, rates, intervals)
+    goals = targets(rows, Peers(**saved["peers"]), saved_memory_floor(saved))
+    tables = {**saved["tables"], "results": results_table(rows, base_steps),
+              "bounds": bound_table(rows), "targets": targets_table(goals)}
+    return {**saved, "rows": [asdict(r) for r in rows], "targets": goals, "tables": tables}
 
 
 if __name__ == "__main__":

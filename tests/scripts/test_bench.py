@@ -246,3 +246,30 @@ def test_every_timed_step_starts_from_the_initial_parameters(
     run = bench.run_method(workload, method, base, device, clock, bench.MemoryProbe(device),
                            bench.nullcontext)
     assert len(entries) == 2 * (len(run.seconds) + bench.WARM_STEPS) and all(entries)
+
+
+def test_a_saved_run_amortizes_again_over_other_intervals_without_measuring(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "run.json"
+    bench.main(["--quick", "--in-process", "--workloads", "tiny-cnn", "--methods",
+                "kfac-inverse", "mkor", "--intervals", "10", "--json", str(saved)])
+    written = json.loads(saved.read_text())
+    # the saved intervals again: the same rows, targets and tables, read from the raw steps
+    same = bench.reamortize(json.loads(saved.read_text()), [10])
+    assert same["rows"] == written["rows"]
+    assert same["targets"] == written["targets"] and same["tables"] == written["tables"]
+    capsys.readouterr()
+    out = tmp_path / "again.json"
+    again = bench.main(["--reamortize", str(saved), "--intervals", "1", "100",
+                        "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "### results" in printed and "| tiny-cnn | mkor | 100 |" in printed
+    assert {(r["method"], r["interval"]) for r in again["rows"]} == {
+        (m, n) for m in ("kfac-inverse", "mkor") for n in (1, 100)}
+    rows = {(r["method"], r["interval"]): r for r in again["rows"]}
+    for method in ("kfac-inverse", "mkor"):  # amortize(update, plain, n) of the same steps
+        update = rows[method, 1]["step_s"]  # every step an update step
+        plain = (100 * rows[method, 100]["step_s"] - update) / 99
+        step_10 = next(r for r in written["rows"] if r["method"] == method)["step_s"]
+        assert step_10 == pytest.approx((update + 9 * plain) / 10)
+    assert json.loads(out.read_text())["rows"] == again["rows"]
