@@ -1184,9 +1184,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.reamortize is not None:
         out = reamortize(json.loads(args.reamortize.read_text()), args.intervals)
         print(tables_markdown({k: out["tables"][k] for k in ("results", "bounds", "targets")}))
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(out, indent=1, default=str))
+        write_json(args.json, out)
         return out
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -1250,10 +1248,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "rates": {name: asdict(r) for name, r in all_rates.items()}, "workloads":
            {n: WORKLOADS[n].description for n in names}, "peers": asdict(peers),
            "rows": [asdict(r) for r in rows], "targets": goals, "raw": raw, "tables": tables}
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1, default=str))
+    write_json(args.json, out)
     return out
+
+
+def write_json(path: Path | None, out: dict[str, Any]) -> None:
+    """Write a run's record to ``path`` (``--json``), if given."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, default=str))
 
 
 def tables_markdown(tables: dict[str, str]) -> str:

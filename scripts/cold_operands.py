@@ -82,10 +82,10 @@ def main(argv: Sequence[str] | None = None,
     args, shapes = parse_shape_args(__doc__.split("\n\n")[0], "MxKxN",
                                     "product shapes (default: the benchmark models')", SHAPES,
                                     argv, flush_option)
-    flush = args.flush_mb
-    lines = measure(shapes, flush, torch.device(args.device), args.repeats)  # type: ignore[arg-type]
+    lines = measure(shapes, args.flush_mb, torch.device(args.device),  # type: ignore[arg-type]
+                    args.repeats)
     header = ["m x k x n", "dtype", "bound (µs)", "hot / bound",
-              *(f"after {mb} MB written / bound" for mb in flush)]
+              *(f"after {mb} MB written / bound" for mb in args.flush_mb)]
     out(f"A product's time over its lower bound, operands hot and evicted, {args.device}:\n")
     out(markdown_table(header, lines))
     return lines
