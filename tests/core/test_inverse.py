@@ -15,6 +15,7 @@ from core.inverse import (
     CholeskyState,
     DecompositionError,
     _damped,
+    all_finite,
     damped_cholesky,
     damped_inverse,
     eigen_decompose,
@@ -391,3 +392,23 @@ def test_damped_decompositions_hold_at_any_factor_scale(exponent: int,
                        2 * round(math.log2(float(damped.diagonal().mean())) / 2))
     assert float(matrix.diagonal().mean()) == pytest.approx(
         float(damped.diagonal().mean()) * 2.0**-applied, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, 7, -1])
+def test_all_finite_finds_one_non_finite_entry_anywhere(bad: float, where: int) -> None:
+    fine = torch.randn(9, 9, dtype=torch.float64).float()
+    spoiled = fine.clone()
+    spoiled.view(-1)[where] = bad
+    assert all_finite([fine]) and all_finite([fine, fine.bfloat16()])
+    assert not all_finite([spoiled])
+    assert not all_finite([fine, spoiled.bfloat16()])  # in any tensor of the list
+
+
+def test_all_finite_tells_an_overflowing_sum_of_finite_entries_from_non_finite_ones() -> None:
+    huge = torch.full((4, 4), 3e38)  # finite, but their sum overflows float32
+    assert all_finite([huge]) and all_finite([huge, -huge])
+    mixed = huge.clone()
+    mixed[0, 0], mixed[1, 1] = math.inf, -math.inf  # sums to NaN
+    assert not all_finite([mixed])
+    assert all_finite([]) and all_finite([torch.empty(0)])

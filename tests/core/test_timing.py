@@ -3,12 +3,13 @@ while a step runs (fake events stand in for CUDA's)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
 import torch
 
-from core.timing import MAX_UNREAD_STEPS, STAGES, StageTimer
+from core.timing import MAX_UNREAD_STEPS, STAGES, StageTimer, trace_range, traced
 
 
 class FakeClock:
@@ -109,3 +110,24 @@ def test_unread_device_steps_are_bounded() -> None:
         _step(timer, clock, {"scale": 1.0})
     assert log == ["wait"] * 3  # one stage in each of the three oldest steps
     assert timer.totals["scale"] == pytest.approx((MAX_UNREAD_STEPS + 3) * 1e-3)
+
+
+@traced("double")
+def _double(x: torch.Tensor, *, times: int = 2) -> torch.Tensor:
+    """Doubles."""
+    return x * times
+
+
+def test_traced_calls_and_stages_are_named_in_a_profile_and_cost_nothing_outside_one() -> None:
+    x = torch.ones(3)
+    assert isinstance(trace_range("core.double"), type(contextlib.nullcontext()))
+    assert torch.equal(_double(x, times=3), 3 * x) and _double.__doc__ == "Doubles."
+    timer = StageTimer()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        with timer.stage("factors"):
+            _double(x)
+    names = [e.name for e in profile.events()]
+    assert "core.stage.factors" in names and "core.double" in names
+    (double,) = [e for e in profile.events() if e.name == "core.double"]
+    assert double.cpu_parent is not None and double.cpu_parent.name == "core.stage.factors"
+    assert timer.current["factors"] > 0
