@@ -39,6 +39,7 @@ from core.inverse import kl_clip_scale
 from core.layer_base import nbytes, squared_norm
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
+from core.timing import traced
 
 
 def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float,
@@ -118,6 +119,7 @@ class EvaLayer(Rank1Layer):
         a, g = self.a.value, self.g.value
         self.norm_product = None if a is None or g is None else (a @ a) * (g @ g)
 
+    @traced("eva_precondition")
     def precondition_into_grad(self, grad: Tensor, damping: float, *, kl_term: bool
                                ) -> Tensor | None:
         """Write Eva's ``P`` of ``grad`` into the layer's ``.grad`` without forming it (one

@@ -51,11 +51,13 @@ from core.inverse import extremes
 from core.layer_base import nbytes, squared_norm
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
+from core.timing import traced
 
 UPDATE_RULES = ("exact", "paper", "official")
 INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+@traced("max_abs")
 def max_abs(matrix: Tensor) -> Tensor:
     """``max |m_ij|`` (NaN if an entry is NaN) from one ``aminmax`` pass, without a temporary."""
     low, high = extremes(matrix)
@@ -72,6 +74,7 @@ def stabiliser_fires(inverse: Tensor, epsilon: float) -> bool:
     return bool(max_abs(inverse) > epsilon)
 
 
+@traced("rank1_terms")
 def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: float = 1.0
                  ) -> tuple[float, float, Tensor, Tensor]:
     """``(a, d, x, u)`` with ``L_t⁻¹ = a·L⁻¹ + x uᵀ + d·I`` (see :func:`update_inverse`).
@@ -98,6 +101,7 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
     return scale, shift, u * coeff, u
 
 
+@traced("rank1_update")
 def apply_update(inverse: Tensor, terms: tuple[float, float, Tensor, Tensor], *,
                  in_place: bool = False) -> Tensor:
     """``a·L⁻¹ + x uᵀ + d·I`` for ``terms = (a, d, x, u)``: one ``addr`` pass over the matrix

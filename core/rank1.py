@@ -39,7 +39,7 @@ from core.hyper import value_at
 from core.layer_base import PreconditionedLayer, check_saved_layers, finite_gradients, nbytes
 from core.layers import LayerHelper, helper_for
 from core.preconditioner import discover_layers
-from core.timing import StageTimer
+from core.timing import StageTimer, traced
 
 #: Module-name regex of the BERT pre-training decoder over the vocabulary (HuggingFace's and
 #: NVIDIA's ``BertForPreTraining``): MKOR leaves it first-order, as the paper and its code do.
@@ -49,12 +49,14 @@ COMPUTE_DTYPES = ("float32", "float64")
 WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+@traced("activation_vector")
 def activation_vector(helper: LayerHelper, x: Tensor, dtype: torch.dtype) -> Tensor:
     """``ā``: the mean over all rows of a captured layer input (bias entry 1 appended), in
     ``dtype``; see :meth:`~core.layers.LayerHelper.mean_a_row`."""
     return helper.mean_a_row(x, dtype)
 
 
+@traced("gradient_vector")
 def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
                     per_example: bool) -> Tensor:
     """A mean output-gradient row of a captured output gradient ``g`` (as autograd hands it).
