@@ -40,14 +40,14 @@ BETWEEN_OPS = "(between ops)"
 
 @dataclass
 class Part:
-    """One part of a stage, summed over the profiled steps.
+    """One part of a stage: over the profiled steps, or per step.
 
     Attributes:
         calls: Ranges or top-level ops of this name.
         seconds: Self time of the ops it contains.
     """
 
-    calls: int = 0
+    calls: float = 0.0
     seconds: float = 0.0
 
 
@@ -88,7 +88,7 @@ def split(events: Iterable[FunctionEvent]) -> dict[str, dict[str, Part]]:
         name, opens = _part_of(event)
         part = stages[stage][name]
         part.seconds += event.self_cpu_time_total / 1e6
-        part.calls += opens
+        part.calls += int(opens)
     return stages
 
 
