@@ -107,7 +107,22 @@ class _SidedState:
                                            copy=True))
             return
         for dst, src in zip(self.side_tensors(side), values, strict=True):
+            if dst is not src:
+                dst.copy_(src)
+
+    @traced("state_rounding")
+    def rounded_side(self, side: str, values: Sequence[Tensor], dtype: torch.dtype
+                     ) -> list[Tensor]:
+        """``values`` (a fresh decomposition of factor ``side``) rounded to ``dtype``: written
+        over this state's own tensors of the side when they are kept in ``dtype`` (so a
+        rounding checked by :func:`kept_dtype` needs no second copy, nor its memory), else
+        into new tensors. :meth:`set_side` with the result then copies nothing."""
+        if dtype != self.side_dtype(side):
+            return [t.to(dtype, memory_format=torch.contiguous_format) for t in values]
+        own = self.side_tensors(side)
+        for dst, src in zip(own, values, strict=True):
             dst.copy_(src)
+        return own
 
     def convert_side(self, side: str, dtype: torch.dtype) -> None:
         """Keep factor ``side`` in ``dtype`` from now on (its values cast), e.g. before a
@@ -490,12 +505,14 @@ def apply_side(tensors: Sequence[Tensor], kind: str, shift: float, x: Tensor) ->
 
 
 def rounding_error(tensors: Sequence[Tensor], kind: str, shift: float, x: Tensor,
-                   dtype: torch.dtype) -> float:
+                   dtype: torch.dtype, rounded: Sequence[Tensor] | None = None) -> float:
     """``‖F̃⁻¹ x̃ − F⁻¹ x‖ / ‖F⁻¹ x‖`` (Frobenius) with ``F̃⁻¹`` the state rounded to ``dtype``
-    and ``x̃`` its operand rounded alike: how far keeping the state in ``dtype`` moves the
-    product (see :func:`apply_side`); 0 for a zero product."""
+    (``rounded`` if given, the tensors already rounded so) and ``x̃`` its operand rounded
+    alike: how far keeping the state in ``dtype`` moves the product (see
+    :func:`apply_side`); 0 for a zero product."""
     exact = apply_side(tensors, kind, shift, x)
-    rounded = apply_side([t.to(dtype) for t in tensors], kind, shift, x).to(exact.dtype)
+    narrow = rounded if rounded is not None else [t.to(dtype) for t in tensors]
+    rounded = apply_side(narrow, kind, shift, x).to(exact.dtype)
     norm = torch.linalg.vector_norm(exact)
     if float(norm) == 0.0:
         return 0.0
@@ -504,11 +521,12 @@ def rounding_error(tensors: Sequence[Tensor], kind: str, shift: float, x: Tensor
 
 @traced("rounding_check")
 def kept_dtype(tensors: Sequence[Tensor], kind: str, shift: float, grad: Tensor, side: str,
-               narrow: torch.dtype, tolerance: float) -> torch.dtype:
+               narrow: torch.dtype, tolerance: float, rounded: Sequence[Tensor] | None = None
+               ) -> torch.dtype:
     """The dtype to keep one factor's fresh state in: ``narrow`` (``precondition_dtype``)
     unless, tried on this step's gradient, rounding to it moves the side's product by more
-    than ``tolerance`` (:func:`rounding_error` on :func:`probe_vectors`); then the state's
-    own dtype.
+    than ``tolerance`` (:func:`rounding_error` on :func:`probe_vectors`, of ``rounded`` if
+    given: the tensors already rounded to ``narrow``); then the state's own dtype.
 
     Rounding to bf16 moves each entry by at most 2⁻⁸ relative, but where a factor is
     rank-deficient next to the damping (fewer rows than its width; a classifier's input, an
@@ -516,7 +534,7 @@ def kept_dtype(tensors: Sequence[Tensor], kind: str, shift: float, grad: Tensor,
     gradient never excites, and the rounding noise excites them: the product can lose all its
     digits.
     """
-    error = rounding_error(tensors, kind, shift, probe_vectors(grad, side), narrow)
+    error = rounding_error(tensors, kind, shift, probe_vectors(grad, side), narrow, rounded)
     return narrow if error <= tolerance else tensors[0].dtype
 
 

@@ -211,9 +211,14 @@ class KFACLayer(PreconditionedLayer):
         shifts = (dict(zip(SIDES, factor_shifts(self.a.value, self.g.value, damping, split),
                            strict=True)) if checked else {})
         for side, values in parts.items():
-            kept = (kept_dtype(values, self.state.kind, shifts[side], grad, side, narrow,
-                               tolerance) if checked else narrow)  # type: ignore[arg-type]
-            self.state.set_side(side, values, kept)
+            if not checked:
+                self.state.set_side(side, values, narrow)
+                continue
+            assert grad is not None and tolerance is not None
+            rounded = self.state.rounded_side(side, values, narrow)
+            kept = kept_dtype(values, self.state.kind, shifts[side], grad, side, narrow,
+                              tolerance, rounded)
+            self.state.set_side(side, rounded if kept == narrow else values, kept)
         self.valid_sides.update(parts)
 
     @property

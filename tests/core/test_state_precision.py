@@ -214,3 +214,27 @@ def test_the_tolerance_must_be_a_non_negative_number() -> None:
         with pytest.raises(ConfigError, match="precondition_dtype_tolerance"):
             KFACPreconditioner(rank_deficient_classifier(), precondition_dtype="bfloat16",
                                precondition_dtype_tolerance=bad)
+
+
+def test_rounded_side_rounds_into_the_states_own_narrow_tensors() -> None:
+    """A rounding the tolerance check reads becomes the state without a second copy: it is
+    written over the side's own tensors when they are kept narrow; a side kept wider is left
+    as it is (its rounding goes to new tensors) until :meth:`set_side` decides."""
+    a, g = spd(5, 9, seed=8).float(), spd(3, 9, seed=9).float()
+    state = make_state("inverse", [a, g])
+    state.convert_side("a", torch.bfloat16)
+    own = state.side_tensors("a")[0]
+    fresh = [torch.randn(5, 5)]
+    rounded = state.rounded_side("a", fresh, torch.bfloat16)
+    assert rounded[0] is own and torch.equal(own, fresh[0].bfloat16())
+    state.set_side("a", rounded, torch.bfloat16)
+    assert state.side_tensors("a")[0] is own
+    before = state.side_tensors("g")[0].clone()
+    new = state.rounded_side("g", [torch.randn(3, 3)], torch.bfloat16)
+    assert new[0].dtype == torch.bfloat16 and new[0] is not state.side_tensors("g")[0]
+    assert torch.equal(state.side_tensors("g")[0], before)
+    shift, grad = 1e-4, torch.randn(2, 5)
+    for tolerance in (0.0, 1.0):  # the same verdict from the rounding given as made anew
+        assert kept_dtype([fresh[0]], "inverse", shift, grad, "a", torch.bfloat16, tolerance,
+                          rounded) == kept_dtype([fresh[0]], "inverse", shift, grad, "a",
+                                                 torch.bfloat16, tolerance)
