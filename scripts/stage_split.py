@@ -14,7 +14,9 @@ Every step is an update step, each from the same parameters (``bench.ParameterSn
 part's time is the self time of the ops it contains (a range nested in another, such as the
 mirror in ``potri``, is its own part). The profiler adds a few microseconds per op, so a stage
 with many small ops reads somewhat slower than in the benchmark; the stage totals without the
-profiler are printed beside them.
+profiler are printed beside them. It runs on the CPU: on a GPU the parts' host-side self times
+would show kernel launches, not the kernels (``scripts/bench.py --device cuda`` times the
+stages there by CUDA events).
 """
 
 from __future__ import annotations
