@@ -104,6 +104,7 @@ def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible(
     ("bench_cpu_resnet18-32_2026-12-01_potri.json", ("targets", "bounds")),
     ("bench_cpu_resnet18-32_2026-12-01_mirror.json", ("targets", "bounds")),
     ("bench_cpu_resnet18-32_2026-12-01_sumcheck.json", ("targets", "bounds")),
+    ("bench_cpu_resnet18-32_bf16_2026-12-01_rounded.json", ("targets", "bounds")),
     ("bench_cpu_resnet18_bf16_2026-12-01_oriented.json", ("targets", "bounds")),
     ("bench_cpu_bert_rounds20_2026-12-01_mirror.json", ("results", "bounds", "targets")),
     ("bench_cpu_bert_rounds20_2026-12-01_sumcheck.json", ("bounds", "targets")),
