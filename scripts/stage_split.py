@@ -53,24 +53,19 @@ class Part:
     seconds: float = 0.0
 
 
-def _part_of(event: FunctionEvent) -> tuple[str, bool]:
-    """The part an op belongs to: the innermost ``core.`` range around it (itself included),
-    else the outermost op under its stage; and whether ``event`` opens that part."""
-    outermost, node = event, event
-    while node is not None and not node.name.startswith(STAGE_TRACE_PREFIX):
-        if node.name.startswith(TRACE_PREFIX):
-            return node.name.removeprefix(TRACE_PREFIX), node is event
-        outermost, node = node, node.cpu_parent
-    return outermost.name, outermost is event
-
-
-def _stage_of(event: FunctionEvent) -> str | None:
-    """The stage whose range contains ``event`` (None outside every stage)."""
-    node = event.cpu_parent
+def _place(event: FunctionEvent) -> tuple[str, str, bool] | None:
+    """Where an op's self time goes: its stage, its part (the innermost ``core.`` range around
+    it, itself included, else the outermost op under its stage), and whether ``event`` opens
+    that part; None outside every stage."""
+    part, opens, node, outermost = None, False, event, event
     while node is not None:
         if node.name.startswith(STAGE_TRACE_PREFIX):
-            return node.name.removeprefix(STAGE_TRACE_PREFIX)
-        node = node.cpu_parent
+            if part is None:
+                part, opens = outermost.name, outermost is event
+            return node.name.removeprefix(STAGE_TRACE_PREFIX), part, opens
+        if part is None and node.name.startswith(TRACE_PREFIX):
+            part, opens = node.name.removeprefix(TRACE_PREFIX), node is event
+        outermost, node = node, node.cpu_parent
     return None
 
 
@@ -84,10 +79,10 @@ def split(events: Iterable[FunctionEvent]) -> dict[str, dict[str, Part]]:
             between.seconds += event.self_cpu_time_total / 1e6
             between.calls += 1
             continue
-        stage = _stage_of(event)
-        if stage is None:
+        place = _place(event)
+        if place is None:
             continue
-        name, opens = _part_of(event)
+        stage, name, opens = place
         part = stages[stage][name]
         part.seconds += event.self_cpu_time_total / 1e6
         part.calls += int(opens)
