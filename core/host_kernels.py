@@ -81,7 +81,19 @@ def syrk_upper(out: Tensor, m: Tensor, scale: float, beta: float) -> None:
 
     ``out`` is row-major, so BLAS sees its transpose and fills its "lower" triangle; ``m`` goes
     to BLAS without a copy when either it or its transpose is contiguous.
+
+    Raises:
+        ValueError: if ``out`` is not contiguous (BLAS would write to a copy of it).
     """
+    if not out.is_contiguous():
+        raise ValueError("syrk_upper writes into a contiguous (row-major) out; pass "
+                         "out.contiguous() and copy the result back")
+    if m.shape[1] == 0:  # no rows: BLAS rejects k = 0, and beta·out is the whole answer
+        if beta == 0.0:
+            out.zero_()
+        else:
+            out.mul_(beta)
+        return
     match_blas_threads()
     m = m.detach()
     if m.is_contiguous():  # (dim, rows) row-major = (rows, dim) column-major: mᵀ·m in BLAS

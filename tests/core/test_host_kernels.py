@@ -99,3 +99,24 @@ def test_mirror_upper_copies_the_upper_triangle_exactly_in_place(dtype: torch.dt
     host_kernels.mirror_upper(matrix)
     assert matrix.data_ptr() == address
     assert torch.equal(matrix, upper + upper.triu(1).T)
+
+
+def test_syrk_upper_of_no_rows_is_beta_times_out() -> None:
+    """BLAS rejects a product over no rows; the answer is ``beta·out`` (zeros for ``beta`` 0,
+    whatever ``out`` held)."""
+    out = torch.full((3, 3), float("nan"))
+    host_kernels.syrk_upper(out, torch.empty(3, 0), scale=1.0, beta=0.0)
+    assert torch.equal(out, torch.zeros(3, 3))
+    out = torch.full((3, 3), 2.0)
+    host_kernels.syrk_upper(out, torch.empty(3, 0), scale=1.0, beta=0.5)
+    assert torch.equal(out, torch.ones(3, 3))
+
+
+def test_syrk_upper_refuses_an_out_it_would_write_a_copy_of() -> None:
+    m = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="contiguous"):
+        host_kernels.syrk_upper(torch.zeros(4, 4).T, m, scale=1.0, beta=0.0)
+    out = torch.zeros(4, 4)
+    host_kernels.syrk_upper(out, m, scale=1.0, beta=0.0)
+    upper = torch.ones(4, 4, dtype=torch.bool).triu()
+    torch.testing.assert_close(out[upper], (m @ m.T)[upper])
