@@ -38,6 +38,7 @@ from core.config import check_choice, check_number, check_schedulable, resolve_i
 from core.factors import RunningFactor
 from core.hyper import Schedulable, value_at
 from core.inverse import DecompositionError, _with_fp64_retry
+from core.layer_base import cloned, restored
 
 BN_FISHER_MODES = ("unit", "diagonal", "full")
 
@@ -300,12 +301,13 @@ class BatchNormPreconditioner:
                 "bn/nonfinite_skips": float(sum(b.nonfinite_skips for b in self.blocks))}
 
     def state_dict(self) -> dict[str, Any]:
-        """Step count, mode and every layer's running Fisher blocks and inverse."""
+        """Step count, mode and every layer's running Fisher blocks and inverse (copies)."""
         return {
             "steps": self.steps,
             "mode": self.mode,
-            "layers": {b.name: {"fisher": b.fisher.value, "inverse": b.inverse,
-                                "failures": b.failures, "nonfinite_skips": b.nonfinite_skips}
+            "layers": {b.name: {"fisher": cloned(b.fisher.value),
+                                "inverse": cloned(b.inverse), "failures": b.failures,
+                                "nonfinite_skips": b.nonfinite_skips}
                        for b in self.blocks},
         }
 
@@ -318,8 +320,9 @@ class BatchNormPreconditioner:
                              f"one has {self.mode!r} and {names}")
         for block in self.blocks:
             saved = state["layers"][block.name]
-            block.fisher.value = saved["fisher"]
-            block.inverse = saved["inverse"]
+            device = block.module.weight.device
+            block.fisher.value = restored(saved["fisher"], device)
+            block.inverse = restored(saved["inverse"], device)
             block.failures = int(saved["failures"])
             block.nonfinite_skips = int(saved["nonfinite_skips"])
         self.steps = int(state["steps"])

@@ -36,7 +36,7 @@ from torch import Tensor
 from core.config import check_schedulable
 from core.hyper import Schedulable
 from core.inverse import kl_clip_scale
-from core.layer_base import nbytes, squared_norm
+from core.layer_base import cloned, nbytes, restored, squared_norm
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 from core.timing import traced
@@ -140,8 +140,7 @@ class EvaLayer(Rank1Layer):
         return {"vectors": nbytes(self.a.value, self.g.value)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"a": None if self.a.value is None else self.a.value.clone(),
-                "g": None if self.g.value is None else self.g.value.clone()}
+        return {"a": cloned(self.a.value), "g": cloned(self.g.value)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, dim in (("a", self.a_dim), ("g", self.g_dim)):
@@ -149,8 +148,7 @@ class EvaLayer(Rank1Layer):
             if value is not None and tuple(value.shape) != (dim,):
                 raise ValueError(f"{self.name}: saved vector {key} has shape "
                                  f"{tuple(value.shape)}, this layer needs {(dim,)}")
-        self.a.value, self.g.value = (None if state[key] is None else state[key].to(self.device)
-                                      for key in ("a", "g"))
+        self.a.value, self.g.value = (restored(state[key], self.device) for key in ("a", "g"))
         self._refresh_norm_product()
 
 

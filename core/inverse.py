@@ -100,11 +100,14 @@ class _SidedState:
     def set_side(self, side: str, values: Sequence[Tensor], dtype: torch.dtype | None = None
                  ) -> None:
         """Copy a fresh decomposition of factor ``side`` into this state's tensors, kept in
-        ``dtype`` (default: the side's current dtype; another one replaces its tensors)."""
+        ``dtype`` (default: the side's current dtype; another one replaces its tensors, taking
+        over ``values`` themselves where they are contiguous and of ``dtype``: fresh tensors
+        no one else writes, such as :meth:`rounded_side`'s new ones)."""
         if dtype is not None and dtype != self.side_dtype(side):
             for name, src in zip(self._side_fields(side), values, strict=True):
-                setattr(self, name, src.to(dtype, memory_format=torch.contiguous_format,
-                                           copy=True))
+                adopt = src.dtype == dtype and src.is_contiguous()
+                setattr(self, name, src if adopt else src.to(
+                    dtype, memory_format=torch.contiguous_format, copy=True))
             return
         for dst, src in zip(self.side_tensors(side), values, strict=True):
             if dst is not src:

@@ -20,13 +20,14 @@ from core.inverse import (
     SIDES,
     DecompositionError,
     SecondOrderState,
+    all_finite,
     compute_sides,
     factor_shifts,
     kept_dtype,
     make_state,
     precondition,
 )
-from core.layer_base import PreconditionedLayer, nbytes
+from core.layer_base import PreconditionedLayer, cloned, nbytes, restored
 from core.layers import LayerHelper, Rows
 from core.timing import StageTimer
 
@@ -188,9 +189,10 @@ class KFACLayer(PreconditionedLayer):
         a narrower one rounds it once, here), except a side whose rounding would move its
         product with this step's gradient ``grad`` by more than ``tolerance``
         (:func:`~core.inverse.kept_dtype`), which stays in ``dtype`` until its next
-        inversion. A distributed strategy may ask for one side only (the factors of a layer
-        inverted on different ranks); the other side's tensors then stay as they are until
-        they arrive.
+        inversion; so does one whose rounding leaves the narrower dtype's range (entries
+        beyond it would round to infinities), with or without a tolerance. A distributed
+        strategy may ask for one side only (the factors of a layer inverted on different
+        ranks); the other side's tensors then stay as they are until they arrive.
         """
         if not sides or not self.has_factors:
             return
@@ -207,17 +209,20 @@ class KFACLayer(PreconditionedLayer):
         narrow = state_dtype or dtype
         if self.state is None:
             self.state = self.empty_state(method, narrow, self.a.value.device)
-        checked = narrow != dtype and tolerance is not None and grad is not None
+        checked = tolerance is not None and grad is not None
         shifts = (dict(zip(SIDES, factor_shifts(self.a.value, self.g.value, damping, split),
-                           strict=True)) if checked else {})
+                           strict=True)) if checked and narrow != dtype else {})
         for side, values in parts.items():
-            if not checked:
+            if narrow == dtype:
                 self.state.set_side(side, values, narrow)
                 continue
-            assert grad is not None and tolerance is not None
             rounded = self.state.rounded_side(side, values, narrow)
-            kept = kept_dtype(values, self.state.kind, shifts[side], grad, side, narrow,
-                              tolerance, rounded)
+            if checked:
+                assert grad is not None and tolerance is not None
+                kept = kept_dtype(values, self.state.kind, shifts[side], grad, side, narrow,
+                                  tolerance, rounded)
+            else:  # without the tolerance, a rounding out of range is still caught
+                kept = narrow if all_finite(rounded) else dtype
             self.state.set_side(side, rounded if kept == narrow else values, kept)
         self.valid_sides.update(parts)
 
@@ -260,8 +265,7 @@ class KFACLayer(PreconditionedLayer):
     def state_dict(self) -> dict[str, object]:
         """Factors, second-order state and counters (tensors are cloned)."""
         state: dict[str, object] = {
-            "A": None if self.a.value is None else self.a.value.clone(),
-            "G": None if self.g.value is None else self.g.value.clone(),
+            "A": cloned(self.a.value), "G": cloned(self.g.value),
             "decomposition_failures": self.decomposition_failures,
             "nonfinite_factor_skips": self.nonfinite_factor_skips,
             "state_kind": None, "state": None, "valid_sides": sorted(self.valid_sides),
@@ -272,16 +276,33 @@ class KFACLayer(PreconditionedLayer):
         return state
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore what :meth:`state_dict` saved, checking shapes against this layer."""
+        """Restore what :meth:`state_dict` saved, checking shapes against this layer.
+
+        The tensors are copied onto this layer's device, the factors in its ``factor_dtype``
+        (the state keeps its saved dtypes, which the preconditioner converts): later steps
+        update them in place, and must leave the caller's dictionary as it was.
+
+        Raises:
+            ValueError: if a saved factor or state tensor does not have this layer's shape.
+        """
         for key, dim in (("A", self.a_dim), ("G", self.g_dim)):
             value = state[key]
             if value is not None and tuple(value.shape) != (dim, dim):  # type: ignore[union-attr]
                 raise ValueError(f"{self.name}: saved factor {key} has shape "
                                  f"{tuple(value.shape)}, this layer needs {(dim, dim)}")  # type: ignore[union-attr]
-        self.a.value = state["A"]  # type: ignore[assignment]
-        self.g.value = state["G"]  # type: ignore[assignment]
+        kind = state["state_kind"]
+        saved: list[Tensor] = state["state"] or []  # type: ignore[assignment]
+        if kind is not None:
+            needed = [tuple(t.shape) for t in
+                      self.empty_state(str(kind), torch.float32, torch.device("meta")).tensors()]
+            shapes = [tuple(t.shape) for t in saved]
+            if shapes != needed:
+                raise ValueError(f"{self.name}: saved {kind} state has shapes {shapes}, this "
+                                 f"layer needs {needed}")
+        self.a.value = restored(state["A"], self.device, self.factor_dtype)  # type: ignore[arg-type]
+        self.g.value = restored(state["G"], self.device, self.factor_dtype)  # type: ignore[arg-type]
         self.decomposition_failures = int(state["decomposition_failures"])  # type: ignore[arg-type]
         self.nonfinite_factor_skips = int(state["nonfinite_factor_skips"])  # type: ignore[arg-type]
-        kind = state["state_kind"]
-        self.state = None if kind is None else make_state(kind, state["state"])  # type: ignore[arg-type]
+        self.state = None if kind is None else make_state(
+            str(kind), [t.to(self.device, copy=True) for t in saved])
         self.valid_sides = set(state["valid_sides"])  # type: ignore[call-overload]

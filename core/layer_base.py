@@ -22,6 +22,22 @@ def squared_norm(t: Tensor) -> Tensor:
     return torch.dot(flat, flat)
 
 
+def restored(value: Tensor | None, device: torch.device, dtype: torch.dtype | None = None
+             ) -> Tensor | None:
+    """A copy of a saved tensor on ``device`` (in ``dtype`` if given), or None for None.
+
+    Always a copy: the running statistics and states it becomes are updated in place, which
+    must leave a checkpoint the caller still holds (an in-memory rollback) as it was.
+    """
+    return None if value is None else value.to(device, dtype, copy=True)
+
+
+def cloned(value: Tensor | None) -> Tensor | None:
+    """A copy of ``value`` for a checkpoint (None for None), which the in-place updates of the
+    steps after it must not change."""
+    return None if value is None else value.clone()
+
+
 def nbytes(*tensors: Tensor | None) -> int:
     """Bytes held by the given tensors (None entries count zero)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -48,7 +48,7 @@ from core.config import (
 )
 from core.hyper import Schedulable
 from core.inverse import extremes
-from core.layer_base import nbytes, squared_norm
+from core.layer_base import cloned, nbytes, restored, squared_norm
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 from core.timing import traced
@@ -293,8 +293,7 @@ class MKORLayer(Rank1Layer):
     def state_dict(self) -> dict[str, Any]:
         return {
             "a_inv": self.a_inv.clone(), "g_inv": self.g_inv.clone(),
-            "a_vec": None if self.a_vec is None else self.a_vec.clone(),
-            "g_vec": None if self.g_vec is None else self.g_vec.clone(),
+            "a_vec": cloned(self.a_vec), "g_vec": cloned(self.g_vec),
             "stabilisations": self.stabilisations, "update_failures": self.update_failures,
         }
 
@@ -307,7 +306,8 @@ class MKORLayer(Rank1Layer):
         self.a_inv = state["a_inv"].to(self.device, self.storage_dtype, copy=True)
         self.g_inv = state["g_inv"].to(self.device, self.storage_dtype, copy=True)
         self._a_peak = self._g_peak = None
-        self.a_vec, self.g_vec = state["a_vec"], state["g_vec"]
+        self.a_vec = restored(state["a_vec"], self.device)
+        self.g_vec = restored(state["g_vec"], self.device)
         self.stabilisations = int(state["stabilisations"])
         self.update_failures = int(state["update_failures"])
 

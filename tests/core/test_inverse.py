@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -365,6 +366,40 @@ def test_a_checkpoint_loads_into_another_precondition_dtype() -> None:
         for a, b in zip(before.state.tensors(), after.state.tensors(), strict=True):
             assert b.dtype == torch.bfloat16
             torch.testing.assert_close(b, a.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_a_loaded_checkpoint_is_copied_onto_the_layers_dtype() -> None:
+    """Loading copies: the steps after it, which update factors and state in place, leave the
+    caller's checkpoint as it was; factors saved in fp32 load into an fp64 run in fp64; a
+    state of another shape is refused, naming the layer."""
+    torch.manual_seed(4)
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    model = small_cnn()
+    saved = KFACPreconditioner(model.float(), inverse_method="inverse", factor_dtype="float32",
+                               inverse_dtype="float32")
+    model(x.float()).pow(2).mean().backward()
+    saved.step()
+    checkpoint = saved.state_dict()
+    kept = copy.deepcopy(checkpoint)
+    model = model.double()
+    loaded = KFACPreconditioner(model, inverse_method="inverse", factor_dtype="float64",
+                                inverse_dtype="float64")
+    loaded.load_state_dict(checkpoint)
+    assert all(layer.a.value.dtype == torch.float64 for layer in loaded.layers)
+    for _ in range(2):
+        model.zero_grad()
+        model(x).pow(2).mean().backward()
+        loaded.step()
+    for name, layer_state in checkpoint["layers"].items():
+        for key in ("A", "G"):
+            assert torch.equal(layer_state[key], kept["layers"][name][key])
+        for now, then in zip(layer_state["state"], kept["layers"][name]["state"], strict=True):
+            assert torch.equal(now, then)
+    layer = loaded.layers[0]
+    wrong = layer.state_dict()
+    wrong["state"] = [t[:-1, :-1] for t in wrong["state"]]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=f"{layer.name}: saved inverse state has shapes"):
+        layer.load_state_dict(wrong)
 
 
 @pytest.mark.parametrize("exponent", [-47, -24, 0, 30])

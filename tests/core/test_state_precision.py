@@ -22,6 +22,8 @@ from core.inverse import (
     probe_vectors,
     rounding_error,
 )
+from core.kfac_layer import KFACLayer
+from core.layers import helper_for
 from tests.core.reference import dense_inverse_precondition
 
 
@@ -238,3 +240,48 @@ def test_rounded_side_rounds_into_the_states_own_narrow_tensors() -> None:
         assert kept_dtype([fresh[0]], "inverse", shift, grad, "a", torch.bfloat16, tolerance,
                           rounded) == kept_dtype([fresh[0]], "inverse", shift, grad, "a",
                                                  torch.bfloat16, tolerance)
+
+
+def singular_layer() -> KFACLayer:
+    """A layer whose ``A`` is singular (two inputs always zero): with a tiny damping its damped
+    inverse has entries of ``1/λ``, beyond fp32's range, while ``G``'s is the identity."""
+    layer = KFACLayer("fc", helper_for(nn.Linear(4, 3, bias=False)),  # type: ignore[arg-type]
+                      scaling="kaisa", factor_dtype=torch.float64, grad_multiplier=lambda: 1.0)
+    layer.a.value = torch.diag(torch.tensor([1.0, 0.5, 0.0, 0.0], dtype=torch.float64))
+    layer.g.value = torch.eye(3, dtype=torch.float64)
+    return layer
+
+
+@pytest.mark.parametrize("tolerance", [None, 0.05])
+@pytest.mark.parametrize("narrow", [torch.float32, torch.bfloat16])
+def test_a_rounding_out_of_the_narrow_range_keeps_the_side_wide(
+        tolerance: float | None, narrow: torch.dtype) -> None:
+    """An fp64 inverse with entries beyond the state dtype's range would round to infinities:
+    that side stays in fp64 (finite, the exact inverse), with or without the tolerance check,
+    and the side that fits is rounded."""
+    layer, damping = singular_layer(), 1e-45
+    layer.compute_inverse(method="inverse", damping=damping, split="full",
+                          dtype=torch.float64, state_dtype=narrow,
+                          grad=torch.randn(3, 4, dtype=torch.float64), tolerance=tolerance)
+    assert layer.has_state and layer.decomposition_failures == 0
+    state = layer.state
+    assert state is not None
+    assert state.side_dtype("a") == torch.float64 and state.side_dtype("g") == narrow
+    (a_inv,) = state.side_tensors("a")
+    assert bool(a_inv.isfinite().all())
+    eye = torch.eye(4, dtype=torch.float64)
+    torch.testing.assert_close(a_inv, torch.linalg.inv(layer.a.value + damping * eye))
+
+
+def test_set_side_takes_over_a_fresh_rounding_of_another_dtype() -> None:
+    """A side kept wide whose next rounding is kept narrow: :meth:`rounded_side` rounds into
+    new tensors, which :meth:`set_side` takes over instead of copying them again."""
+    state = make_state("inverse", [spd(5, 9, seed=10).float(), spd(3, 9, seed=11).float()])
+    fresh = [torch.randn(5, 5)]
+    rounded = state.rounded_side("a", fresh, torch.bfloat16)
+    state.set_side("a", rounded, torch.bfloat16)
+    assert state.side_tensors("a")[0] is rounded[0]
+    assert torch.equal(state.side_tensors("a")[0], fresh[0].bfloat16())
+    state.set_side("a", [fresh[0].T], torch.float32)  # not contiguous: copied
+    (kept,) = state.side_tensors("a")
+    assert kept.is_contiguous() and torch.equal(kept, fresh[0].T)
