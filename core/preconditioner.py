@@ -25,7 +25,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import SIDES, STATE_TYPES, kl_clip_factor, kl_product
+from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_factor, kl_product
 from core.kfac_layer import KFACLayer
 from core.layer_base import check_saved_layers, finite_gradients
 from core.layers import helper_for
@@ -121,6 +121,7 @@ class KFACPreconditioner:
         self.grad_scaler = grad_scaler
         self.steps = 0
         self.skipped_overflow_steps = 0
+        self.nonfinite_preconditioned = 0
         self.last_kl_scale = 1.0
         self.inverse_dtype = getattr(torch, self.config.inverse_dtype)
         self.state_dtype = self.config.state_dtype
@@ -334,7 +335,13 @@ class KFACPreconditioner:
                         preconditioned: dict[str, Tensor],
                         products: dict[str, Tensor] | None) -> None:
         """Apply the KL clip over all preconditioned layers and write ``P`` into ``.grad``
-        (scaled on the way: one pass over each ``P``)."""
+        (scaled on the way: one pass over each ``P``), except where ``P`` is not finite."""
+        if self.config.kl_clip is not None:
+            given = products or {}
+            products = {name: given[name] if name in given
+                        else kl_product(preconditioned[name], grad)  # type: ignore[arg-type]
+                        for name, grad in grads.items() if name in preconditioned}
+        self._leave_nonfinite_first_order(preconditioned, products)
         if not preconditioned:
             self.last_kl_scale = 1.0
             return
@@ -347,6 +354,41 @@ class KFACPreconditioner:
             p = preconditioned.get(layer.name)
             if p is not None:
                 layer.helper.set_grad(p, scale if scale != 1.0 else None)
+
+    def _leave_nonfinite_first_order(self, preconditioned: dict[str, Tensor],
+                                     products: dict[str, Tensor] | None) -> None:
+        """Drop from ``preconditioned`` (and ``products``) every layer whose ``P`` is not
+        finite, so its raw gradient stays, with a warning and a count
+        (``nonfinite_preconditioned``).
+
+        ``P`` comes from finite gradients (checked at the start of the step) and a state that
+        was finite when it was computed, yet can overflow: an inverse of order ``1/λ`` from a
+        tiny damping, or a state kept in ``inverse_dtype`` when it was too large for the
+        narrower one. With the KL clip its products are the test (a non-finite ``P`` makes
+        ``Σ P ⊙ ∇W̄`` non-finite; an overflowing product, which the clip could not scale,
+        counts too), at no cost; without it, one summation per ``P``. Every rank holds the
+        same ``P`` and decides alike.
+        """
+        if not preconditioned:
+            return
+        names = list(preconditioned)
+        if products is not None:
+            finite = torch.stack([products[name] for name in names]).isfinite().tolist()
+        else:
+            finite = torch.stack([p.sum() for p in preconditioned.values()]).isfinite().tolist()
+            finite = [ok or all_finite([preconditioned[name]])  # a finite P's sum may overflow
+                      for name, ok in zip(names, finite, strict=True)]
+        bad = [name for name, ok in zip(names, finite, strict=True) if not ok]
+        if not bad:
+            return
+        for name in bad:
+            del preconditioned[name]
+            if products is not None:
+                del products[name]
+        self.nonfinite_preconditioned += len(bad)
+        warnings.warn(f"non-finite preconditioned gradient in {', '.join(bad)}; left "
+                      f"first-order this step ({self.nonfinite_preconditioned} layer-steps so "
+                      "far): raise the damping, or check the factors", stacklevel=3)
 
     def _end_step(self) -> None:
         self._backward_reduction = None
@@ -378,6 +420,7 @@ class KFACPreconditioner:
                 for x in self.layers for side in SIDES)
         out["nonfinite_factor_skips"] = sum(x.nonfinite_factor_skips for x in self.layers)
         out["skipped_overflow_steps"] = self.skipped_overflow_steps
+        out["nonfinite_preconditioned"] = self.nonfinite_preconditioned
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -385,6 +428,7 @@ class KFACPreconditioner:
         return {
             "steps": self.steps,
             "skipped_overflow_steps": self.skipped_overflow_steps,
+            "nonfinite_preconditioned": self.nonfinite_preconditioned,
             "signature": self.strategy.state_signature(),
             "strategy": self.strategy.state_dict(),
             "layers": {layer.name: layer.state_dict() for layer in self.layers},
@@ -418,6 +462,7 @@ class KFACPreconditioner:
         self.strategy.load_state_dict(state["strategy"])
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
+        self.nonfinite_preconditioned = int(state.get("nonfinite_preconditioned", 0))
         self._capturing = self._factor_update_due(self.steps)
         self.strategy.set_step(self.steps)
 

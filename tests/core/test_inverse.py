@@ -447,3 +447,58 @@ def test_all_finite_tells_an_overflowing_sum_of_finite_entries_from_non_finite_o
     mixed[0, 0], mixed[1, 1] = math.inf, -math.inf  # sums to NaN
     assert not all_finite([mixed])
     assert all_finite([]) and all_finite([torch.empty(0)])
+
+
+@pytest.mark.parametrize("kl_clip", [1e-3, None])
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_layer_whose_preconditioned_gradient_is_not_finite_stays_first_order(
+        kl_clip: float | None, bad: float) -> None:
+    """A state that yields a non-finite ``P`` leaves that layer's raw gradient in place for
+    the step, with a warning and a count; the other layers are preconditioned as before."""
+    results = {}
+    for broken in (False, True):
+        torch.manual_seed(5)
+        x = torch.randn(6, 2, 6, 6)
+        model = small_cnn().float()
+        precond = KFACPreconditioner(model, inverse_method="inverse", inv_update_steps=10,
+                                     factor_update_steps=10, kl_clip=kl_clip, lr=0.1)
+        for step in range(2):
+            model.zero_grad()
+            model(x + step).pow(2).mean().backward()
+            if step == 1 and broken:  # the state the first step computed, overflowed
+                precond.layers[-1].state.side_tensors("a")[0][0, 0] = bad
+            raw = {layer.name: layer.helper.grad_matrix().clone() for layer in precond.layers}
+            if step == 1 and broken:
+                with pytest.warns(UserWarning, match="non-finite preconditioned gradient in 5"):
+                    precond.step()
+            else:
+                precond.step()
+        results[broken] = ({layer.name: layer.helper.grad_matrix() for layer in precond.layers},
+                           raw, precond.metrics()["nonfinite_preconditioned"])
+    (fine, _, none), (grads, raw, count) = results[False], results[True]
+    last = "5"
+    assert none == 0 and count == 1
+    torch.testing.assert_close(grads[last], raw[last], rtol=0, atol=0)
+    assert not torch.equal(fine[last], raw[last])  # it would have been preconditioned
+    others = [name for name in grads if name != last]
+    if kl_clip is None:  # with the clip, the scale now sums over the other layers only
+        for name in others:
+            torch.testing.assert_close(grads[name], fine[name])
+    assert all(not torch.equal(grads[name], raw[name]) for name in others)
+
+
+def test_a_kl_product_that_overflows_leaves_its_layer_first_order() -> None:
+    """A finite ``P`` whose ``Σ P ⊙ ∇W̄`` overflows could not be scaled by the KL clip: it is
+    left out like a non-finite one; without the clip, a finite ``P`` whose plain sum overflows
+    is kept."""
+    model = small_cnn().float()
+    precond = KFACPreconditioner(model)
+    huge = torch.full((3, 5), 3e38)
+    preconditioned = {"0": torch.ones(3, 19), "5": huge}
+    products = {"0": torch.tensor(1.0), "5": torch.tensor(math.inf)}
+    with pytest.warns(UserWarning, match="in 5;"):
+        precond._leave_nonfinite_first_order(preconditioned, products)
+    assert list(preconditioned) == list(products) == ["0"]
+    preconditioned = {"0": torch.ones(3, 19), "5": huge}
+    precond._leave_nonfinite_first_order(preconditioned, None)  # sums to inf, all finite
+    assert list(preconditioned) == ["0", "5"] and precond.nonfinite_preconditioned == 1
