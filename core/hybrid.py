@@ -18,6 +18,9 @@ costs nothing) and the first-order optimizer consumes raw gradients. Once switch
 switched. Window means (rather than two single losses) make the rate robust to mini-batch noise.
 Non-finite losses (e.g. AMP overflow steps) count as steps but are not put into the windows.
 ``threshold = -inf`` never switches; ``threshold = inf`` switches as soon as the evidence exists.
+In a distributed run each step's loss is averaged over the ranks first (one all-reduce of one
+number), so the rule reads the global loss and every rank switches on the same step: a rank that
+stopped calling the preconditioner alone would leave the others' collectives unmatched.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
 
 from core.config import check_number, config_from_options
 
@@ -100,6 +106,18 @@ def loss_decrease_rate(losses: list[float], window: int) -> float:
     return (before - now) / (window * abs(before))
 
 
+def mean_over_ranks(value: float) -> float:
+    """``value`` averaged over the default process group's ranks (itself outside one); a
+    non-finite value on any rank makes the mean non-finite."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
+
+
 class HybridSwitch:
     """Runs a preconditioner until the loss-rate rule (module docstring) says to stop.
 
@@ -136,9 +154,10 @@ class HybridSwitch:
         return self.event is not None
 
     def observe(self, loss: float) -> None:
-        """Record this step's training loss and apply the rule."""
+        """Record this step's training loss (this rank's: it is averaged over the ranks) and
+        apply the rule."""
         self.steps += 1
-        loss = float(loss)
+        loss = mean_over_ranks(float(loss))
         if not math.isfinite(loss):
             return
         self.losses.append(loss)
@@ -191,10 +210,16 @@ class HybridSwitch:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (a switched state stays switched)."""
+        """Restore :meth:`state_dict` output: a switched state stays switched, and one saved
+        before the switch (a rollback) runs the preconditioner again, its hooks attached."""
         self.preconditioner.load_state_dict(state["preconditioner"])
         self.steps = int(state["steps"])
         self.losses = deque(state["losses"], maxlen=2 * self.config.window)
         self.last_rate = state["last_rate"]
         if state["event"] is not None:
             self._switch(SwitchEvent(**state["event"]))
+        elif self.switched:
+            self.event = None
+            add_hooks = getattr(self.preconditioner, "add_hooks", None)
+            if add_hooks is not None:
+                add_hooks()

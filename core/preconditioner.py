@@ -472,6 +472,11 @@ class KFACPreconditioner:
             hook.remove()
         self._hooks = []
 
+    def add_hooks(self) -> None:
+        """Attach to the model again after :meth:`remove_hooks` (nothing if attached)."""
+        if not self._hooks:
+            self._hooks = [self._register(layer) for layer in self.layers]
+
     def __repr__(self) -> str:
         return (f"KFACPreconditioner({len(self.layers)} layers, {self.config}, "
                 f"{self.strategy.describe()})")

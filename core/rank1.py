@@ -387,5 +387,10 @@ class Rank1Preconditioner:
             hook.remove()
         self._hooks = []
 
+    def add_hooks(self) -> None:
+        """Attach to the model again after :meth:`remove_hooks` (nothing if attached)."""
+        if not self._hooks:
+            self._hooks = [self._register(layer) for layer in self.layers]
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self.layers)} layers, {self.config})"

@@ -115,23 +115,49 @@ def test_state_dict_resumes_switched_and_unswitched() -> None:
     assert again.switched and again.preconditioner.hooks_removed
 
 
-@pytest.mark.parametrize("make", [
-    lambda m: MKORPreconditioner(m, inv_update_steps=1),
-    lambda m: KFACPreconditioner(m),
-])
+REAL = [lambda m: MKORPreconditioner(m, inv_update_steps=1), lambda m: KFACPreconditioner(m)]
+
+
+def wrapped_step(model: nn.Module, switch: HybridSwitch) -> bool:
+    """One training step of ``model`` through ``switch``; whether it preconditioned."""
+    model.zero_grad()
+    loss = F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 2))
+    loss.backward()
+    raw = model.weight.grad.clone()
+    switch.observe(loss.item())
+    switch.step()
+    return not torch.equal(model.weight.grad, raw)
+
+
+@pytest.mark.parametrize("make", REAL)
 def test_wraps_real_preconditioners(make: Any) -> None:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     switch = HybridSwitch(make(model), window=1, threshold=math.inf, min_steps=2)
-    for step in range(3):
-        model.zero_grad()
-        loss = F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 2))
-        loss.backward()
-        raw = model.weight.grad.clone()
-        switch.observe(loss.item())
-        switch.step()
-        preconditioned = not torch.equal(model.weight.grad, raw)
-        assert preconditioned == (step < 1)  # switched at the second observed loss
+    # switched at the second observed loss
+    assert [wrapped_step(model, switch) for _ in range(3)] == [True, False, False]
+
+
+@pytest.mark.parametrize("make", REAL)
+def test_rolling_back_to_before_the_switch_runs_second_order_again(make: Any) -> None:
+    """Loading a state saved before the switch into a switched instance (an in-memory
+    rollback) un-switches it and attaches the preconditioner's hooks again."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    switch = HybridSwitch(make(model), window=1, threshold=math.inf, min_steps=2)
+
+    def step() -> bool:
+        return wrapped_step(model, switch)
+
+    assert step()
+    saved = switch.state_dict()
+    assert not step() and switch.switched
+    switch.load_state_dict(saved)
+    assert not switch.switched
+    assert not step() and switch.switched  # the rule fires again on the next loss
+    switch.load_state_dict(saved)
+    switch.config = type(switch.config)(window=1, threshold=-math.inf)  # never switch now
+    assert step() and step()
 
 
 @pytest.mark.parametrize(("options", "field"), [
