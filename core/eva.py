@@ -17,7 +17,13 @@ its Eva baseline): the damping is added once to the Kronecker-vector product, no
 Conventions kept from Eva's code, because its damping values are tuned against them:
 
 * ``ḡ`` is the plain mean of the output gradient ``g`` over rows (not MKOR's ``R·g``), from the
-  local batch; across ranks the local vectors are averaged.
+  local batch; across ranks the local vectors are averaged. Its scale is therefore that of the
+  local batch's mean loss: ``P`` ranks give ``P`` times the ``ḡ`` of one process on the global
+  batch. Micro-batches under ``accumulation_steps = K`` count the same way (each one's ``g`` is
+  taken for its own mean loss, then the ``K`` vectors averaged), so ``K`` micro-batches on one
+  rank give the ``ḡ`` of ``K`` ranks with one micro-batch each, ``K`` times that of the same
+  examples in one batch. Unlike MKOR's ``R·g``, whose mean does not depend on the batch size,
+  this statistic (and so the damping it is tuned against) depends on the local batch.
 * Eva's code calls the weight of the **new** vector ``factor_decay`` (0.95 in its scripts); here
   ``factor_decay`` is the weight of the **old** average, as everywhere in ``core``, so Eva's
   configurations translate as ``factor_decay = 1 − d`` (default 0.05).

@@ -83,6 +83,25 @@ def test_conv_statistics_and_running_average() -> None:
     torch.testing.assert_close(eva.layers[0].g.value, expected_g)
 
 
+def test_micro_batches_count_as_local_batches_of_their_own() -> None:
+    """Under ``accumulation_steps = K`` each micro-batch's ``ḡ`` is the mean for its own mean
+    loss (as a rank's is for its local batch): ``K`` times the ``ḡ`` of the same examples in
+    one batch, while ``ā`` is the same (module docstring)."""
+    torch.manual_seed(4)
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
+    stats = {}
+    for k in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2, bias=False)
+        eva = EvaPreconditioner(model, accumulation_steps=k, factor_decay=0.0)
+        for rows in torch.arange(8).chunk(k):
+            (F.mse_loss(model(x[rows]), y[rows]) / k).backward()
+        eva.step()
+        stats[k] = eva.layers[0].a.value, eva.layers[0].g.value
+    torch.testing.assert_close(stats[2][0], stats[1][0])
+    torch.testing.assert_close(stats[2][1], 2 * stats[1][1])
+
+
 def test_state_dict_round_trip() -> None:
     torch.manual_seed(3)
     model = nn.Linear(3, 2)
