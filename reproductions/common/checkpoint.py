@@ -15,6 +15,7 @@ states must consist of tensors, dicts, lists, tuples, numbers, strings, booleans
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tempfile
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from reproductions.common.scrub import scrub_secrets
 
 _NAME = re.compile(r"^checkpoint-(\d{9,})\.pt$")
 _SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
@@ -133,6 +136,36 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return final
+
+
+def require_same_config(saved: dict[str, Any] | None, config: dict[str, Any],
+                        directory: Path, *, fix: str, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse to continue from a checkpoint that a run of other settings saved.
+
+    Resuming it under ``config`` would train on with the old settings (or mix the two) and label
+    the result with the new ones. Both are compared as the results file records them (secrets
+    redacted, tuples as lists).
+
+    Args:
+        saved: The configuration the checkpoint's run recorded (None: not recorded, accepted).
+        config: This run's configuration.
+        directory: Where the checkpoint was found (named in the error).
+        fix: What the user can do instead, ending the error message.
+        ignore: Keys that may differ (when to stop, not what to train).
+
+    Raises:
+        CheckpointError: naming up to five settings that differ, with both values.
+    """
+    if saved is None:
+        return
+    now = json.loads(json.dumps(scrub_secrets(dict(config)), default=str))
+    saved = json.loads(json.dumps(saved, default=str))
+    differ = sorted(k for k in saved.keys() | now.keys()
+                    if k not in ignore and saved.get(k) != now.get(k))
+    if differ:
+        shown = "; ".join(f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now" for k in differ[:5])
+        raise CheckpointError(f"the checkpoint in {directory} was saved by a run with other "
+                              f"settings ({shown}); {fix}")
 
 
 def checkpoint_step(path: Path) -> int:

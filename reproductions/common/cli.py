@@ -5,7 +5,9 @@ one line that says what to fix, never a traceback.
   config file) exits like argparse's own errors: status 2 and
   ``<prog>: error: invalid <field>=<value>: expected <allowed values>``.
 * Missing or damaged data, checkpoints that cannot be read and bad results files
-  (:data:`USER_ERRORS`) exit with status 1 and their message, which names the file and the fix.
+  (:data:`~reproductions.common.errors.USER_ERRORS`) exit with status 1 and their message, which
+  names the file and the fix; so does either kind raised in a worker of a local launch
+  (:class:`~reproductions.common.errors.WorkerError`).
 
 Any other exception is a bug and keeps its traceback.
 """
@@ -17,12 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from core.config import ConfigError
-from data.errors import CorruptDataError, DataUnavailableError
-from reproductions.common.checkpoint import CheckpointError
-from reproductions.common.results import ResultsError
-
-USER_ERRORS = (DataUnavailableError, CorruptDataError, CheckpointError, ResultsError)
-"""Errors caused by the machine's files rather than the program, reported in one line."""
+from reproductions.common.errors import USER_ERRORS, WorkerError
 
 
 def positive_int(text: str) -> int:
@@ -48,11 +45,12 @@ def exit_on_user_error(parser: argparse.ArgumentParser) -> Iterator[None]:
         parser: The entry point's parser; its ``prog`` starts the message.
 
     Raises:
-        SystemExit: status 2 for a :class:`ConfigError`, 1 for one of :data:`USER_ERRORS`.
+        SystemExit: status 2 for a :class:`ConfigError`, 1 for one of :data:`USER_ERRORS` or a
+            :class:`WorkerError`.
     """
     try:
         yield
     except ConfigError as exc:
         parser.error(str(exc))
-    except USER_ERRORS as exc:
+    except (*USER_ERRORS, WorkerError) as exc:
         parser.exit(1, f"{parser.prog}: error: {exc}\n")

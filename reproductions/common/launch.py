@@ -28,6 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from core.config import ConfigError
+from reproductions.common.errors import USER_ERRORS, WorkerError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -149,6 +152,8 @@ def _local_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, 
     init_distributed(device)
     try:
         result = fn(*args)
+    except (ConfigError, *USER_ERRORS) as exc:  # the launcher reports it in one line
+        result = WorkerError(f"rank {rank}: {exc}")
     finally:
         cleanup()
     with open(Path(out) / f"result{rank}.pkl", "wb") as handle:
@@ -175,7 +180,10 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
         ``fn``'s result in each process, by rank.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: a process raised (with its traceback).
+        WorkerError: a process raised a configuration error or one of
+            :data:`~reproductions.common.errors.USER_ERRORS` (the lowest rank's message).
+        torch.multiprocessing.ProcessRaisedException: a process raised anything else (with its
+            traceback).
         TimeoutError: the processes did not finish within ``timeout``.
     """
     with tempfile.TemporaryDirectory() as out:
@@ -193,4 +201,7 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
         for rank in range(world_size):
             with open(Path(out) / f"result{rank}.pkl", "rb") as handle:
                 results.append(pickle.load(handle))
+        for result in results:
+            if isinstance(result, WorkerError):
+                raise result
         return results

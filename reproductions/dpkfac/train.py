@@ -39,7 +39,11 @@ from core.distributed import Communicator, average_gradients
 from core.timing import StageTimer
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
-from reproductions.common.checkpoint import load_agreed_checkpoint, save_checkpoint
+from reproductions.common.checkpoint import (
+    load_agreed_checkpoint,
+    require_same_config,
+    save_checkpoint,
+)
 from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import (
     DistContext,
@@ -230,7 +234,10 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     state = load_agreed_checkpoint(checkpoints, ctx.device)
     step, elapsed, run_id = 0, 0.0, None
     stage_time = StageTimer()
-    if state is not None:
+    if state is not None:  # an interrupted run of these settings continues
+        require_same_config(state.get("config"), run_config, checkpoints, ignore=("max_steps",),
+                            fix="run with the same settings to continue it, or pass another "
+                                "--run-dir (or delete this one) to start afresh")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         stage_time.totals.update(state["stage_time"])
@@ -258,7 +265,8 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
             "rng": capture_rng_state(), "elapsed": elapsed, "wandb_id": tracker.id,
             "stage_time": dict(stage_time.totals),
             "precond_stage_time": {} if precond is None else dict(precond.timer.totals),
-            "results": recorder.data if ctx.is_main else None})
+            "results": recorder.data if ctx.is_main else None,
+            "config": recorder.data["config"]})
 
     progress = tqdm(total=total, initial=step, desc=name, disable=not ctx.is_main,
                     mininterval=5.0)

@@ -93,7 +93,7 @@ def load_corpus(sources: Sequence[str], *, text_column: str = "text",
         single = paths[0] if kind == "text" and len(paths) == 1 else None
         return Corpus(texts, single, f"{len(paths)} local {kind} file(s)")
     missing = [s for s, p in zip(sources, paths, strict=True) if not p.exists()]
-    if len(sources) != 1 or any(p.exists() for p in paths):
+    if len(sources) != 1 or any(p.exists() for p in paths) or _looks_like_a_path(sources[0]):
         raise ConfigError("corpus", list(sources), f"existing files (missing: {missing}) or "
                           "one Hugging Face dataset name")
     name, _, subset = sources[0].partition(":")
@@ -105,6 +105,14 @@ def load_corpus(sources: Sequence[str], *, text_column: str = "text",
             "go online (unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE), fill the Hugging Face cache, "
             "or pass local files with --corpus") from None
     return Corpus(_text_only(texts, text_column), None, f"Hugging Face dataset {sources[0]}")
+
+
+def _looks_like_a_path(source: str) -> bool:
+    """Whether a missing ``--corpus`` source was meant as a local file (a known suffix, a
+    directory part, or a leading ``.`` or ``~``) rather than a Hugging Face dataset name."""
+    path = Path(source)
+    return (path.suffix.lower() in LOCAL_FORMATS or source.startswith((".", "~", "/"))
+            or len(path.parts) > 2)
 
 
 def _load_local(paths: list[Path], kind: str, text_column: str,

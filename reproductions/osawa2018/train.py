@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -41,7 +42,11 @@ from core.distributed import DistributedStrategy
 from data.fashion_mnist import fashion_mnist
 from data.image_folder import image_folder
 from data.paths import add_data_dir_argument
-from reproductions.common.checkpoint import load_agreed_checkpoint, save_checkpoint
+from reproductions.common.checkpoint import (
+    load_agreed_checkpoint,
+    require_same_config,
+    save_checkpoint,
+)
 from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import DistContext, cleanup, init_distributed, seed_everything
 from reproductions.common.results import RunRecorder
@@ -160,8 +165,14 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
                            config=config.to_dict(), world_size=ctx.world_size,
                            device=ctx.device)
     wandb_id = None
+    if not resume:  # a fresh run: the older checkpoints here would outrank its own
+        shutil.rmtree(checkpoints, ignore_errors=True)
     state = load_agreed_checkpoint(checkpoints, ctx.device) if resume else None
     if state is not None:
+        require_same_config(json.loads(state["results"])["config"], config.to_dict(), checkpoints,
+                            fix="resume with the same --config and --set, or start afresh "
+                                "without --resume (which deletes these checkpoints) or in "
+                                "another --out")
         trainer.load_state_dict(state["trainer"])
         recorder = RunRecorder.from_data(json.loads(state["results"]))
         wandb_id = state["wandb_id"]
@@ -195,7 +206,10 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
         tracker.log({**metrics, **trainer.metrics(), "epoch": trainer.epoch}, step=trainer.step)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.2e}")
-        evaluate = trainer.epoch >= next_eval - 1e-9 or trainer.step == stop
+        evaluate = trainer.epoch >= next_eval - 1e-9 or trainer.step == total
+        # --max-steps: summarised and checkpointed, not evaluated off the schedule (a resumed
+        # run must record the evaluations of an uninterrupted one)
+        stopping = trainer.step == stop
         if evaluate:
             result = trainer.evaluate(test_loader)
             recorder.log_eval(trainer.step, epoch=trainer.epoch, **result)
@@ -203,6 +217,7 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
             bar.write(f"epoch {trainer.epoch:.2f} step {trainer.step}: test accuracy "
                       f"{result['test_accuracy']:.4f}, loss {result['test_loss']:.4f}")
             next_eval = (math.floor(trainer.epoch / every + 1e-9) + 1) * every
+        if evaluate or stopping:
             summary = summarize(config, recorder.data["evals"], recorder.data["steps"], size)
             recorder.update(summary=summary, wandb=tracker.info(), ledger=_ledger(trainer),
                             optimizer_stage_time_s=dict(trainer.kfac.timer.totals)
@@ -210,13 +225,14 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
                             memory=trainer.kfac.memory_usage() if trainer.kfac else {})
             if trainer.step == total:
                 recorder.finish()
-        if evaluate or (checkpoint_every is not None and trainer.step % checkpoint_every == 0):
+        if evaluate or stopping or (checkpoint_every is not None
+                                    and trainer.step % checkpoint_every == 0):
             save_checkpoint(checkpoints, trainer.step, {
                 "trainer": trainer.state_dict(), "rng": capture_rng_state(),
                 "results": json.dumps(recorder.data), "wandb_id": tracker.id})
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
-        if evaluate and ctx.is_main:
+        if (evaluate or stopping) and ctx.is_main:
             recorder.write(out / "results.json")
             tracker.summary(recorder.data["summary"])
     bar.close()

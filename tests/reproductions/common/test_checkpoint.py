@@ -17,9 +17,11 @@ from reproductions.common.checkpoint import (
     load_agreed_checkpoint,
     load_latest_checkpoint,
     load_newest_checkpoint,
+    require_same_config,
     save_checkpoint,
 )
 from reproductions.common.launch import run_local
+from reproductions.common.scrub import REDACTED
 
 
 def state(step: int) -> dict:
@@ -146,3 +148,15 @@ def test_ranks_agree_on_the_newest_step_all_can_read(tmp_path: Path) -> None:
                     path.write_bytes(path.read_bytes()[:50])
     expected = [agreed for *_, agreed in AGREEMENT_CASES]
     assert run_local(_agreed_steps, 2, roots, timeout=120) == [expected, expected]
+
+
+def test_require_same_config_names_what_differs_and_accepts_the_rest(tmp_path: Path) -> None:
+    saved = {"lr": 0.1, "shape": [2, 3], "max_steps": 5, "token": REDACTED}
+    same = {"lr": 0.1, "shape": (2, 3), "max_steps": 9, "token": "hf_secretsecretsecret"}
+    require_same_config(saved, same, tmp_path, fix="f", ignore=("max_steps",))
+    require_same_config(None, {"lr": 1.0}, tmp_path, fix="f")  # a checkpoint of no record
+    with pytest.raises(CheckpointError, match=r"saved by a run with other settings \(lr: 0.1 "
+                                              r"saved, 0.2 now; max_steps: 5 saved, 9 now\); f$"):
+        require_same_config(saved, {**same, "lr": 0.2}, tmp_path, fix="f")
+    with pytest.raises(CheckpointError, match=r"new: None saved, 1 now"):
+        require_same_config(saved, {**same, "new": 1}, tmp_path, fix="f", ignore=("max_steps",))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -10,6 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from core.config import ConfigError
+from reproductions.common.checkpoint import CheckpointError
+from reproductions.common.errors import WorkerError
 from reproductions.common.launch import cleanup, init_distributed, seed_everything
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -74,3 +78,22 @@ def test_run_local_returns_each_rank_result() -> None:
     from reproductions.common.launch import run_local
 
     assert run_local(_rank_sum, 2, 1.0, timeout=120) == [(0, 3.0, 1), (1, 3.0, 1)]
+
+
+def _bad_setting(rank: int) -> None:
+    if rank == 1:
+        raise CheckpointError("the checkpoint in runs/x was saved by a run with other settings")
+    raise ConfigError("lr", -1, "a number >= 0")
+
+
+def test_a_user_error_in_a_worker_reaches_the_launcher_as_one_line() -> None:
+    """A worker's configuration or file error comes back as a :class:`WorkerError` carrying the
+    lowest rank's message (which the entry points print in one line), not a traceback."""
+    from reproductions.common.launch import run_local
+
+    with pytest.raises(WorkerError, match=r"^rank 0: invalid lr=-1: expected a number >= 0$"):
+        run_local(_bad_setting_by_rank, 2, timeout=120)
+
+
+def _bad_setting_by_rank() -> None:
+    _bad_setting(int(os.environ["RANK"]))

@@ -26,7 +26,8 @@ def test_batches_are_seeded_permutations() -> None:
 
 
 @pytest.mark.distributed
-def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")
     config = tmp_path / "config.json"
     config.write_text(json.dumps(asdict(TrainConfig(test_examples=200))))
@@ -63,3 +64,12 @@ def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert [s["step"] for s in again["steps"]] == [0, 1, 2]
     assert again["steps"][2]["loss"] == resumed["steps"][2]["loss"]
     assert again["wandb"]["id"] == run["wandb"]["id"]  # resumed, not started afresh
+
+    # Other settings in the same --run-dir: refused in one line, nothing overwritten.
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(asdict(TrainConfig(test_examples=200, lr=0.5))))
+    with pytest.raises(SystemExit) as info:
+        main([*args[:5], str(other), *args[6:], "--max-steps", "4"])
+    assert info.value.code == 1
+    assert "saved by a run with other settings (lr: 0.05 saved, 0.5 now)" in capsys.readouterr().err
+    assert load_results(path) == again

@@ -105,3 +105,13 @@ def test_hub_names_need_the_network(monkeypatch: pytest.MonkeyPatch, data_dir: P
         data.load_corpus(["no-such-user/no-such-corpus"], data_dir=data_dir)
     with pytest.raises(ConfigError, match="missing"):
         data.load_corpus(["no-such-file.txt", "other.txt"], data_dir=data_dir)
+
+
+@pytest.mark.parametrize("source", ["nope.txt", "./corpus", "~/corpus", "/data/a/corpus",
+                                    "data/wiki/corpus"])
+def test_a_missing_local_corpus_is_named_as_missing_not_looked_up_online(
+        source: str, data_dir: Path, tmp_path: Path) -> None:
+    """A mistyped file path gets the missing-file error, not advice to go online."""
+    source = str(tmp_path / source[1:]) if source.startswith("/") else source
+    with pytest.raises(ConfigError, match=r"existing files \(missing: \["):
+        data.load_corpus([source], data_dir=data_dir)
