@@ -38,7 +38,11 @@ from core.preconditioner import KFACPreconditioner
 from core.rank1 import BERT_DECODER_PATTERN, Rank1Preconditioner
 from data.atomic import atomic_directory
 from data.paths import add_data_dir_argument
-from reproductions.common.checkpoint import load_latest_checkpoint, save_checkpoint
+from reproductions.common.checkpoint import (
+    load_latest_checkpoint,
+    require_same_config,
+    save_checkpoint,
+)
 from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import (
     DistContext,
@@ -297,6 +301,17 @@ def drain_ledger(optimizer: SecondOrderOptimizer, model: torch.nn.Module, ctx: D
 # ----------------------------------------------------------------------------------------------
 # One optimizer's run
 
+#: What ``--resume`` requires of a run's recorded settings: all the same except the run list,
+#: the description, the launch hint, the checkpoint cadence and the paths of the corpus and the
+#: initial weights (which move with the machine; a resumed run's weights come from its
+#: checkpoint).
+RESUME_CHECK: dict[str, Any] = {
+    "fix": "resume with the same config and options, or run without --resume (which deletes "
+           "this run's checkpoints) or with another --out",
+    "ignore": ("optimizers", "description", "launch", "checkpoint_every", "corpus",
+               "init_checkpoint")}
+
+
 def run_dir(out: Path, cfg: PretrainConfig, name: str) -> Path:
     """Where one run's results and checkpoints go."""
     return out / cfg.experiment / f"{name}-s{cfg.seed}"
@@ -308,8 +323,10 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     here = run_dir(args.out, cfg, name)
     ckpt_dir = here / "checkpoints"
     results_path = here / "results.json"
+    run_config = {**cfg.to_dict(), "optimizer": name}
     if args.resume and results_path.exists():
         done = load_results(results_path)
+        require_same_config(done["config"], run_config, here, **RESUME_CHECK)
         if done["finished"] and done["steps"] and done["steps"][-1]["step"] == cfg.steps - 1:
             return done
     if not args.resume and ctx.is_main:
@@ -339,13 +356,13 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
                                      count=cfg.eval_batches, seed=cfg.seed,
                                      mlm_probability=cfg.mlm_probability)
     recorder = RunRecorder(paper=PAPER, experiment=cfg.experiment, optimizer=name,
-                           config={**cfg.to_dict(), "optimizer": name}, world_size=ctx.world_size,
-                           device=ctx.device)
+                           config=run_config, world_size=ctx.world_size, device=ctx.device)
     ledger: dict[str, dict[str, int]] = {}
 
     start, wandb_id = 0, None
     state = load_latest_checkpoint(ckpt_dir, map_location=ctx.device) if args.resume else None
     if state is not None:
+        require_same_config(state["results"]["config"], run_config, ckpt_dir, **RESUME_CHECK)
         raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

@@ -64,6 +64,20 @@ def test_resume_gives_the_same_losses(run_args: list[str], tmp_path: Path) -> No
         assert len(b["steps"]) == 4 and b["finished"]
 
 
+def test_resume_refuses_a_run_of_other_settings(run_args: list[str], tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--resume`` with another learning rate stops in one line naming it, for an unfinished
+    run (its checkpoint) and for a finished one (its results file, otherwise returned as is)."""
+    common = [*run_args, "--optimizers", "lamb", "--steps", "3", "--wandb", "disabled"]
+    bert.main([*common, "--stop-after", "1"])
+    for _ in range(2):
+        with pytest.raises(SystemExit) as info:
+            bert.main([*common, "--resume", "--lr", "0.5"])
+        assert info.value.code == 1
+        assert "other settings (lr: " in capsys.readouterr().err
+        bert.main([*common, "--resume"])  # the same settings: continues, then finds it finished
+
+
 def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         bert.main(["--help"])
