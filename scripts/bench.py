@@ -200,9 +200,12 @@ class Rates:
         potrf: ``n³``/s of a Cholesky factorisation alone, by ``n``, likewise
             (:func:`factorisation_calls`).
         trsm: ``n³``/s of a triangular solve of ``n`` right-hand sides, by ``n``.
-        bandwidth: bytes/s of a large copy (read plus write).
+        bandwidth: bytes/s of a large copy (read plus write): main memory's.
         gemm_bf16: FLOP/s of an ``n³`` bf16 matmul (fp32 accumulation), by ``n``: the rate of
             the products with a state kept in bf16 (``precondition_dtype``).
+        copy: bytes/s of a copy of ``n`` bytes (read plus write) repeated on the same buffers,
+            by ``n``: from the caches where they fit, what a pass over data of that size can
+            do at best (empty in runs saved before it was measured: ``bandwidth`` then).
     """
 
     gemm: dict[int, float]
@@ -212,12 +215,19 @@ class Rates:
     trsm: dict[int, float]
     bandwidth: float
     gemm_bf16: dict[int, float] = field(default_factory=dict)
+    copy: dict[int, float] = field(default_factory=dict)
 
     def at(self, kind: str, n: int) -> float:
         """The ``kind`` rate measured at the size nearest ``n`` (log scale)."""
         table: dict[int, float] = getattr(self, kind)
         size = min(table, key=lambda s: abs(math.log(max(n, 1) / s)))
         return table[size]
+
+    def passes(self, nbytes: float, count: float = 1.0) -> float:
+        """Seconds of ``count`` passes over ``nbytes`` of data (each read once, or read and
+        written as a copy's halves) at the copy rate measured at the nearest size."""
+        rate = self.at("copy", int(nbytes)) if self.copy else self.bandwidth
+        return count * nbytes / rate
 
     def seconds(self, kind: str, n: int, flops: float) -> float:
         """Seconds of ``flops`` FLOPs of kernel ``kind`` (not the GEMM) at size ``n``."""
@@ -248,25 +258,71 @@ def _spd(n: int, device: torch.device) -> Tensor:
     return x @ x.T / (2 * n) + 1e-3 * torch.eye(n, device=device)
 
 
-def factorisation_calls(spd: Tensor) -> list[Callable[[], object]]:
-    """Ways to Cholesky-factor a copy of ``spd``: torch's, and on the CPU LAPACK's ``potrf``
-    alone in the copy's memory (:mod:`core.host_kernels`; torch's call adds a strided pass
-    zeroing a triangle). A bound takes the fastest."""
-    calls: list[Callable[[], object]] = [lambda: torch.linalg.cholesky(spd)]
+@dataclass(frozen=True)
+class TimedCall:
+    """A kernel as the library calls it, for a rate: ``run`` does the kernel on a fresh copy of
+    its input, written into memory allocated once, and ``setup`` that copy alone, whose time is
+    not the kernel's (None: ``run`` copies nothing)."""
+
+    run: Callable[[], object]
+    setup: Callable[[], object] | None = None
+
+
+def fastest_seconds(clock: Clock, calls: Sequence[TimedCall], repeats: int) -> float:
+    """Seconds of the fastest of ``calls`` (each the best of ``repeats``, less its setup's):
+    a bound takes the fastest way the machine has to do the job."""
+    def seconds(call: TimedCall) -> float:
+        spent = clock.best(call.run, repeats)
+        if call.setup is not None:
+            spent -= clock.best(call.setup, repeats)
+        return max(spent, 1e-9)
+
+    return min(seconds(call) for call in calls)
+
+
+def _in_place(src: Tensor, kernel: Callable[[Tensor], object]) -> TimedCall:
+    """``kernel`` on a copy of ``src`` in a buffer allocated once, and that copy as setup."""
+    buffer = torch.empty_like(src)
+
+    def run() -> object:
+        buffer.copy_(src)
+        return kernel(buffer)
+
+    return TimedCall(run, lambda: buffer.copy_(src))
+
+
+def factorisation_calls(spd: Tensor) -> list[TimedCall]:
+    """Ways to Cholesky-factor ``spd``: torch's, and on the CPU LAPACK's ``potrf`` alone in a
+    copy's memory (:mod:`core.host_kernels`; torch's call adds a strided pass zeroing a
+    triangle). A bound takes the fastest."""
+    calls = [TimedCall(lambda: torch.linalg.cholesky(spd))]
     if spd.device.type == "cpu":
-        calls.append(lambda: host_kernels.cholesky_in_place(spd.clone(), lower_in_matrix=False))
+        calls.append(_in_place(spd, lambda m: host_kernels.cholesky_in_place(
+            m, lower_in_matrix=False)))
     return calls
 
 
-def cholesky_calls(spd: Tensor) -> list[Callable[[], object]]:
+def cholesky_calls(spd: Tensor) -> list[TimedCall]:
     """Ways to form ``spd``'s inverse from its Cholesky factor, as :func:`factorisation_calls`:
     torch's, and on the CPU ``potrf`` and then ``potri`` in one copy's memory, as
     :func:`core.inverse.inverse_in_place` does."""
-    calls: list[Callable[[], object]] = [
-        lambda: torch.cholesky_inverse(torch.linalg.cholesky(spd))]
+    calls = [TimedCall(lambda: torch.cholesky_inverse(torch.linalg.cholesky(spd)))]
     if spd.device.type == "cpu":
-        calls.append(lambda: inverse_in_place(spd.clone()))
+        calls.append(_in_place(spd, inverse_in_place))
     return calls
+
+
+def triangular_solve_calls(lower: Tensor, rhs: Tensor) -> list[TimedCall]:
+    """The triangular solves :func:`core.inverse.precondition` runs for ``cholesky_solve``, each
+    into its row-major right-hand side in place (``out=``, no copy or transpose): with ``L``
+    and with ``Lᵀ``, from the left and from the right."""
+    solve = torch.linalg.solve_triangular
+    return [
+        _in_place(rhs, lambda b: solve(lower, b, upper=False, out=b)),
+        _in_place(rhs, lambda b: solve(lower.mT, b, upper=True, out=b)),
+        _in_place(rhs, lambda b: solve(lower.mT, b, upper=True, left=False, out=b)),
+        _in_place(rhs, lambda b: solve(lower, b, upper=False, left=False, out=b)),
+    ]
 
 
 def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
@@ -283,17 +339,35 @@ def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
         gemm_bf16[n] = 2 * n**3 / clock.best(lambda a=low_a, b=low_b: a @ b, repeats_n)
         spd = _spd(n, device)
         eigh[n] = n**3 / clock.best(lambda s=spd: torch.linalg.eigh(s), repeats_n)
-        cholesky[n] = n**3 / min(clock.best(fn, repeats_n) for fn in cholesky_calls(spd))
-        potrf[n] = n**3 / min(clock.best(fn, repeats_n) for fn in factorisation_calls(spd))
-        lower = torch.linalg.cholesky(spd)
-        trsm[n] = n**3 / clock.best(
-            lambda low=lower, rhs=b: torch.linalg.solve_triangular(low, rhs, upper=False),
-            repeats_n)
+        cholesky[n] = n**3 / fastest_seconds(clock, cholesky_calls(spd), repeats_n)
+        potrf[n] = n**3 / fastest_seconds(clock, factorisation_calls(spd), repeats_n)
+        trsm[n] = n**3 / fastest_seconds(
+            clock, triangular_solve_calls(torch.linalg.cholesky(spd), b), repeats_n)
     src = torch.randn(copy_elements, device=device)
     dst = torch.empty_like(src)
     seconds = clock.best(lambda: dst.copy_(src), 5)
     return Rates(gemm, eigh, cholesky, potrf, trsm,
-                 bandwidth=2 * src.numel() * src.element_size() / seconds, gemm_bf16=gemm_bf16)
+                 bandwidth=2 * src.numel() * src.element_size() / seconds, gemm_bf16=gemm_bf16,
+                 copy={n: copy_rate(n, device, clock) for n in COPY_BYTES
+                       if n < src.numel() * src.element_size()})
+
+
+#: Sizes (bytes) at which :func:`measure_rates` times a copy: from one core's L2 to main memory.
+COPY_BYTES = (2**18, 2**20, 2**22, 2**24, 2**26)
+
+
+def copy_rate(nbytes: int, device: torch.device, clock: Clock) -> float:
+    """Bytes/s (read plus write) of copying ``nbytes`` between two buffers, again and again (so
+    they stay in the caches when they fit), several copies per timing to amortise the clock."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    per_call = max(1, 2**24 // nbytes)
+
+    def copies() -> None:
+        for _ in range(per_call):
+            dst.copy_(src)
+
+    return 2 * nbytes * per_call / clock.best(copies, 5)
 
 
 # Workloads -----------------------------------------------------------------------------------
@@ -815,20 +889,25 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     ``cholesky_solve``, four triangular solves of the same FLOPs at the measured triangular-solve
     rate (two against each factor); each factor's product counts at the GEMM rate of the
     dtype its state is kept in (bf16 with ``precondition_dtype``, unless the tolerance kept it
-    fp32), whose bytes it reads. Memory-bound work (the
-    rank-1 statistics and updates, Eva's closed form, the scale and write-back) counts the
-    passes over its data at the copy bandwidth. Capture (building factor rows) has no bound of
-    its own: a lower bound need not materialise rows, so it counts as overhead of ``factors``.
-    Every stage must also read its inputs once at the copy bandwidth (the captured input and
-    output gradient for ``factors``; factors, gradients and inverses for the others), so each
-    layer's bound is the larger of that read and its compute, which can overlap.
+    fp32), whose bytes it reads; the triangular solves' rate is that of the in-place solves
+    the library runs. Memory-bound work counts the passes over its data at the copy rate of
+    that data's size (:meth:`Rates.passes`: from the caches where it fits): the rank-1
+    statistics read each layer's input and output gradient once (the row means need no
+    patches), MKOR's rank-1 updates read and write the inverses, Eva's closed form reads the
+    gradient and writes ``.grad`` with the KL clip's scale folded in (so its scale stage needs
+    nothing), and K-FAC's and MKOR's scale reads ``P`` and the gradient and writes ``.grad``.
+    Capture (building factor rows) has no bound of its own: a lower bound need not materialise
+    rows, so it counts as overhead of ``factors``. Every stage must also read its inputs once
+    (the captured input and output gradient for ``factors``; factors, gradients and inverses
+    for the others), so each layer's bound is the larger of that read and its compute, which
+    can overlap.
     """
     word = 4  # fp32
     update = dict.fromkeys(WORK, 0.0)
     plain = dict.fromkeys(WORK, 0.0)
 
     def at_least_read(seconds: float, elements: int) -> float:
-        return max(seconds, elements * word / rates.bandwidth)
+        return max(seconds, rates.passes(elements * word))
 
     def gemm_kind(state_word: int) -> str:
         return "gemm_bf16" if state_word == 2 else "gemm"
@@ -838,9 +917,9 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
         squares = a * a + g * g
         gemm = max(2 * g * a * g / rates.at(gemm_kind(layer.g_word), min(g, a))
                    + 2 * g * a * a / rates.at(gemm_kind(layer.a_word), min(g, a)),
-                   (g * a * word + a * a * layer.a_word + g * g * layer.g_word)
-                   / rates.bandwidth)
-        scale = 3 * g * a * word / rates.bandwidth  # read P and the gradient, write .grad
+                   rates.passes(g * a * word + a * a * layer.a_word + g * g * layer.g_word))
+        # read P and the gradient (the KL clip's products), write .grad
+        scale = rates.passes(g * a * word, 3)
         if method.kind == "kfac":
             a_flops, a_size = layer.a_product
             update["factors"] += at_least_read(
@@ -856,14 +935,14 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
             else:
                 precondition = (2 if kind == "eigh" else 1) * gemm
             step_work = {"precondition": precondition, "scale": scale}
-        else:
-            update["factors"] += at_least_read(  # row means
-                rows * (a + g) * word / rates.bandwidth, layer.captured)
+        else:  # row means: the layer's input and output gradient, each read once
+            update["factors"] += at_least_read(0.0, layer.captured)
             if method.kind == "mkor":  # matvec, then the rank-1 update (read and write)
-                update["inversion"] += 3 * squares * word / rates.bandwidth
+                update["inversion"] += rates.passes(squares * word, 3)
                 step_work = {"precondition": gemm, "scale": scale}
-            else:  # eva: a bilinear form, then one rank-1 update of the gradient
-                step_work = {"precondition": 3 * g * a * word / rates.bandwidth, "scale": scale}
+            else:  # eva: a bilinear form and the KL term in one read of the gradient, then
+                # one rank-1 update of it into .grad, the clip's scale folded in (as K-FAC's)
+                step_work = {"precondition": rates.passes(g * a * word, 3), "scale": 0.0}
         for stage, seconds in step_work.items():
             update[stage] += seconds
             plain[stage] += seconds
@@ -991,7 +1070,10 @@ def rates_table(rates: Rates) -> str:
         lines.append([f"{label} GFLOP/s (nominal {flops:.3g}n³)",
                       *[f"{flops * v / 1e9:.1f}" for v in table.values()]])
     return (markdown_table(header, lines)
-            + f"\n\nCopy bandwidth: {rates.bandwidth / 1e9:.1f} GB/s (read + write).")
+            + f"\n\nCopy bandwidth: {rates.bandwidth / 1e9:.1f} GB/s (read + write)"
+            + ("; of the same buffers again and again, by size: " + ", ".join(
+                f"{n / 2**20:g} MiB {rate / 1e9:.1f}" for n, rate in rates.copy.items())
+               + " GB/s" if rates.copy else "") + ".")
 
 
 @dataclass(frozen=True)

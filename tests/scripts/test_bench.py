@@ -170,6 +170,27 @@ def test_each_factor_product_counts_at_the_rate_of_the_dtype_its_state_is_kept_i
         pytest.approx(2 * g * a * (g + a) / 4e9)
 
 
+def test_memory_bound_work_counts_its_passes_at_the_copy_rate_of_its_size() -> None:
+    """The rank-1 statistics read each layer's input and output gradient once (``captured``,
+    not its rows of patches); Eva's scale is folded into its one write (no bound of its own);
+    each pass takes the copy rate measured nearest its bytes, or the large copy's in runs that
+    measured no sizes."""
+    sizes = {2**18: 8e10, 2**26: 1e10}
+    rates = bench.Rates({64: 1e9}, {64: 1.0}, {64: 1.0}, {64: 1.0}, {64: 1.0},
+                        bandwidth=1e10, gemm_bf16={64: 4e9}, copy=sizes)
+    conv = bench.LayerShape(a_dim=577, g_dim=64, rows=32 * 256, captured=32 * 64 * 1024 * 2)
+    eva, mkor = (next(m for m in bench.METHODS if m.name == n) for n in ("eva", "mkor"))
+    bounds = bench.stage_bounds(eva, [conv], rates)
+    assert bounds["update"]["factors"] == pytest.approx(conv.captured * 4 / 1e10)  # 16 MiB
+    assert bounds["plain"]["scale"] == 0.0
+    assert bounds["plain"]["precondition"] == pytest.approx(3 * 64 * 577 * 4 / 8e10)  # 144 KiB
+    assert bench.stage_bounds(mkor, [conv], rates)["plain"]["scale"] == pytest.approx(
+        3 * 64 * 577 * 4 / 8e10)
+    old = dataclasses.replace(rates, copy={})
+    assert bench.stage_bounds(eva, [conv], old)["plain"]["precondition"] == pytest.approx(
+        3 * 64 * 577 * 4 / 1e10)
+
+
 def test_work_targets_are_judged_as_measured_and_shown_at_the_in_run_gemm_rate() -> None:
     """A row whose process saw GEMMs at 0.7 of the rates its bound uses: 1.5 is not met, and
     the table also gives 1.05, the ratio at the throughput the process had."""
@@ -190,10 +211,35 @@ def test_the_timed_cholesky_calls_form_the_inverse_and_each_leaves_its_input() -
     before = spd.clone()
     (torch_inverse, in_place), (_, in_place_factor) = (bench.cholesky_calls(spd),
                                                        bench.factorisation_calls(spd))
-    torch.testing.assert_close(torch_inverse(), torch.linalg.inv(spd))
+    torch.testing.assert_close(torch_inverse.run(), torch.linalg.inv(spd))
     # LAPACK's info: done (core.inverse.inverse_in_place is tested against the inverse)
-    assert in_place() == 0 and in_place_factor() == 0
+    assert in_place.run() == 0 and in_place_factor.run() == 0
     assert torch.equal(spd, before)
+
+
+def test_the_timed_triangular_solves_are_the_four_solves_of_precondition() -> None:
+    """Each solves its own system in place, from a fresh copy of the right-hand side every
+    call; its setup is that copy."""
+    spd = bench._spd(5, torch.device("cpu")).double()
+    lower, rhs = torch.linalg.cholesky(spd), torch.randn(5, 5, dtype=torch.float64)
+    before = rhs.clone()
+    expected = [torch.linalg.inv(lower) @ rhs, torch.linalg.inv(lower.T) @ rhs,
+                rhs @ torch.linalg.inv(lower.T), rhs @ torch.linalg.inv(lower)]
+    for call, want in zip(bench.triangular_solve_calls(lower, rhs), expected, strict=True):
+        for _ in range(2):
+            torch.testing.assert_close(call.run(), want)
+        assert call.setup is not None
+        torch.testing.assert_close(call.setup(), rhs)
+    assert torch.equal(rhs, before)
+
+
+def test_fastest_seconds_takes_the_quickest_call_less_its_setup() -> None:
+    class Fake(bench.Clock):
+        def best(self, fn, repeats):  # type: ignore[no-untyped-def, override]
+            return float(fn())
+
+    calls = [bench.TimedCall(lambda: 5.0, lambda: 1.0), bench.TimedCall(lambda: 4.5)]
+    assert bench.fastest_seconds(Fake(torch.device("cpu")), calls, 1) == 4.0
 
 
 def test_a_factor_from_shifted_views_is_bounded_by_that_products_flops() -> None:
