@@ -223,11 +223,19 @@ class Rates:
         size = min(table, key=lambda s: abs(math.log(max(n, 1) / s)))
         return table[size]
 
-    def passes(self, nbytes: float, count: float = 1.0) -> float:
-        """Seconds of ``count`` passes over ``nbytes`` of data (each read once, or read and
-        written as a copy's halves) at the copy rate measured at the nearest size."""
-        rate = self.at("copy", int(nbytes)) if self.copy else self.bandwidth
-        return count * nbytes / rate
+    def copy_rate(self, nbytes: float) -> float:
+        """Bytes/s of streaming ``nbytes``: the copy rate measured at the nearest size (the
+        large copy's in runs saved before sizes were measured)."""
+        return self.at("copy", int(nbytes)) if self.copy else self.bandwidth
+
+    def passes(self, nbytes: float, count: float = 1.0, stream: float | None = None) -> float:
+        """Seconds of ``count`` passes over ``nbytes`` of one layer's data (each read once, or
+        read and written as a copy's halves). The first comes at the rate of ``stream``, the
+        bytes the whole stage streams over all layers (where the data waits since it was
+        made: the caches, or memory when they cannot hold it all), the others at the rate of
+        ``nbytes`` (the layer's data, in cache since the first)."""
+        first = nbytes / self.copy_rate(nbytes if stream is None else stream)
+        return first + (count - 1) * nbytes / self.copy_rate(nbytes)
 
     def seconds(self, kind: str, n: int, flops: float) -> float:
         """Seconds of ``flops`` FLOPs of kernel ``kind`` (not the GEMM) at size ``n``."""
@@ -891,7 +899,9 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     dtype its state is kept in (bf16 with ``precondition_dtype``, unless the tolerance kept it
     fp32), whose bytes it reads; the triangular solves' rate is that of the in-place solves
     the library runs. Memory-bound work counts the passes over its data at the copy rate of
-    that data's size (:meth:`Rates.passes`: from the caches where it fits): the rank-1
+    that data's size (:meth:`Rates.passes`): a stage's first pass over a layer's data at the
+    rate of all the bytes the stage streams (in the caches only if they all fit), its further
+    passes at the rate of the layer's own bytes (in cache since the first). The rank-1
     statistics read each layer's input and output gradient once (the row means need no
     patches), MKOR's rank-1 updates read and write the inverses, Eva's closed form reads the
     gradient and writes ``.grad`` with the KL clip's scale folded in (so its scale stage needs
@@ -906,43 +916,59 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     update = dict.fromkeys(WORK, 0.0)
     plain = dict.fromkeys(WORK, 0.0)
 
-    def at_least_read(seconds: float, elements: int) -> float:
-        return max(seconds, rates.passes(elements * word))
-
     def gemm_kind(state_word: int) -> str:
         return "gemm_bf16" if state_word == 2 else "gemm"
+
+    def operands(layer: LayerShape) -> int:  # the gradient and the two states
+        a, g = layer.a_dim, layer.g_dim
+        return g * a * word + a * a * layer.a_word + g * g * layer.g_word
+
+    # What each stage streams over all layers: the rate of its first pass over each layer
+    stream = {
+        "factors": sum(x.captured for x in layers) * word,
+        "inversion": sum(x.a_dim**2 + x.g_dim**2 for x in layers) * word,
+        "precondition": sum(x.g_dim * x.a_dim * word if method.kind == "eva" else operands(x)
+                            for x in layers),
+        "scale": sum(x.g_dim * x.a_dim for x in layers) * word,
+    }
+
+    def at_least_read(seconds: float, elements: int, stage: str) -> float:
+        return max(seconds, rates.passes(elements * word, stream=stream[stage]))
 
     for layer in layers:
         a, g, rows = layer.a_dim, layer.g_dim, layer.rows
         squares = a * a + g * g
         gemm = max(2 * g * a * g / rates.at(gemm_kind(layer.g_word), min(g, a))
                    + 2 * g * a * a / rates.at(gemm_kind(layer.a_word), min(g, a)),
-                   rates.passes(g * a * word + a * a * layer.a_word + g * g * layer.g_word))
+                   rates.passes(operands(layer), stream=stream["precondition"]))
         # read P and the gradient (the KL clip's products), write .grad
-        scale = rates.passes(g * a * word, 3)
+        scale = rates.passes(g * a * word, 3, stream=stream["scale"])
         if method.kind == "kfac":
             a_flops, a_size = layer.a_product
             update["factors"] += at_least_read(
                 a_flops / rates.at("gemm", a_size) + rows * g * g / rates.at("gemm", g),
-                layer.captured)
+                layer.captured, "factors")
             kind = method.decomposition
             update["inversion"] += at_least_read(
-                sum(d**3 / rates.at(kind, d) for d in (a, g)), squares)
+                sum(d**3 / rates.at(kind, d) for d in (a, g)), squares, "inversion")
             if kind == "potrf":
                 solves = rates.seconds("trsm", a, 2 * g * a * a) + rates.seconds(
                     "trsm", g, 2 * a * g * g)
-                precondition = at_least_read(solves, g * a + squares)
+                precondition = at_least_read(solves, g * a + squares, "precondition")
             else:
                 precondition = (2 if kind == "eigh" else 1) * gemm
             step_work = {"precondition": precondition, "scale": scale}
         else:  # row means: the layer's input and output gradient, each read once
-            update["factors"] += at_least_read(0.0, layer.captured)
+            update["factors"] += at_least_read(0.0, layer.captured, "factors")
             if method.kind == "mkor":  # matvec, then the rank-1 update (read and write)
-                update["inversion"] += rates.passes(squares * word, 3)
+                update["inversion"] += rates.passes(squares * word, 3,
+                                                    stream=stream["inversion"])
                 step_work = {"precondition": gemm, "scale": scale}
             else:  # eva: a bilinear form and the KL term in one read of the gradient, then
                 # one rank-1 update of it into .grad, the clip's scale folded in (as K-FAC's)
-                step_work = {"precondition": rates.passes(g * a * word, 3), "scale": 0.0}
+                step_work = {"precondition": rates.passes(g * a * word, 3,
+                                                          stream=stream["precondition"]),
+                             "scale": 0.0}
         for stage, seconds in step_work.items():
             update[stage] += seconds
             plain[stage] += seconds

@@ -101,6 +101,7 @@ def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible(
     ("bench_cpu_2026-12-01_b.json", ("targets", "bounds")),
     ("bench_cpu_2026-12-01_d.json", ("targets",)),
     ("bench_cpu_2026-12-01_f.json", None),
+    ("bench_cpu_2026-12-01_g.json", None),
     ("bench_cpu_resnet18-32_2026-12-01_potri.json", ("targets", "bounds")),
     ("bench_cpu_resnet18-32_2026-12-01_mirror.json", ("targets", "bounds")),
     ("bench_cpu_resnet18-32_2026-12-01_sumcheck.json", ("targets", "bounds")),
@@ -172,23 +173,29 @@ def test_each_factor_product_counts_at_the_rate_of_the_dtype_its_state_is_kept_i
 
 def test_memory_bound_work_counts_its_passes_at_the_copy_rate_of_its_size() -> None:
     """The rank-1 statistics read each layer's input and output gradient once (``captured``,
-    not its rows of patches); Eva's scale is folded into its one write (no bound of its own);
-    each pass takes the copy rate measured nearest its bytes, or the large copy's in runs that
-    measured no sizes."""
+    not its rows of patches); Eva's scale is folded into its one write (no bound of its own).
+    A stage's first pass over a layer's data takes the copy rate of all the bytes the stage
+    streams, its further passes that of the layer's bytes; runs that measured no sizes take
+    the large copy's rate for every pass."""
     sizes = {2**18: 8e10, 2**26: 1e10}
     rates = bench.Rates({64: 1e9}, {64: 1.0}, {64: 1.0}, {64: 1.0}, {64: 1.0},
-                        bandwidth=1e10, gemm_bf16={64: 4e9}, copy=sizes)
+                        bandwidth=2e10, gemm_bf16={64: 4e9}, copy=sizes)
     conv = bench.LayerShape(a_dim=577, g_dim=64, rows=32 * 256, captured=32 * 64 * 1024 * 2)
+    grad = 64 * 577 * 4  # 144 KiB
     eva, mkor = (next(m for m in bench.METHODS if m.name == n) for n in ("eva", "mkor"))
     bounds = bench.stage_bounds(eva, [conv], rates)
     assert bounds["update"]["factors"] == pytest.approx(conv.captured * 4 / 1e10)  # 16 MiB
     assert bounds["plain"]["scale"] == 0.0
-    assert bounds["plain"]["precondition"] == pytest.approx(3 * 64 * 577 * 4 / 8e10)  # 144 KiB
+    assert bounds["plain"]["precondition"] == pytest.approx(3 * grad / 8e10)
     assert bench.stage_bounds(mkor, [conv], rates)["plain"]["scale"] == pytest.approx(
-        3 * 64 * 577 * 4 / 8e10)
+        3 * grad / 8e10)
+    big = bench.LayerShape(a_dim=4097, g_dim=1024, rows=8, captured=8)  # a 16 MiB gradient
+    both = bench.stage_bounds(eva, [conv, big], rates)["plain"]["precondition"]
+    big_grad = 1024 * 4097 * 4
+    assert both == pytest.approx(grad / 1e10 + 2 * grad / 8e10 + 3 * big_grad / 1e10)
     old = dataclasses.replace(rates, copy={})
     assert bench.stage_bounds(eva, [conv], old)["plain"]["precondition"] == pytest.approx(
-        3 * 64 * 577 * 4 / 1e10)
+        3 * grad / 2e10)
 
 
 def test_work_targets_are_judged_as_measured_and_shown_at_the_in_run_gemm_rate() -> None:
