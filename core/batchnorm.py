@@ -22,6 +22,7 @@ the convolutions' factors).
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Iterable
@@ -155,6 +156,12 @@ class BatchNormBlock:
         self.fisher.accumulate(fisher_blocks(x_hat, gy.float(), self.mode,
                                              gy.shape[0] * self.grad_multiplier))
 
+    def batch_shape(self) -> tuple[int, ...]:
+        """The shape of this layer's Fisher blocks, ``(K, m, m)``."""
+        gamma, beta = self.module.weight, self.module.bias
+        k, m = arrange(gamma.detach().float(), beta.detach().float(), self.mode).shape
+        return (k, m, m)
+
     def grad_blocks(self) -> Tensor | None:
         """The current gradient of ``(γ, β)`` as block vectors ``(K, m)``, or None."""
         gamma, beta = self.module.weight, self.module.bias
@@ -269,29 +276,40 @@ class BatchNormPreconditioner:
     def step(self) -> None:
         """Update the Fisher blocks when due, then precondition every layer's gradient."""
         if self._capturing:
-            batches = [block.fisher.take_batch() for block in self.blocks]
-            if all(b is not None for b in batches):
-                self._average_across_ranks(batches)  # type: ignore[arg-type]
-                decay = float(value_at(self.factor_decay, self.steps))
-                damping = float(value_at(self.damping, self.steps))
-                for block, batch in zip(self.blocks, batches, strict=True):
-                    block.update(batch, decay, damping)  # type: ignore[arg-type]
+            batches = self._average_across_ranks(
+                [block.fisher.take_batch() for block in self.blocks])
+            decay = float(value_at(self.factor_decay, self.steps))
+            damping = float(value_at(self.damping, self.steps))
+            for block, batch in zip(self.blocks, batches, strict=True):
+                if batch is not None:  # a layer no rank ran this step keeps its blocks
+                    block.update(batch, decay, damping)
         self.last_preconditioned = sum(block.precondition() for block in self.blocks)
         self.steps += 1
         self._capturing = self._update_due(self.steps)
 
-    @staticmethod
-    def _average_across_ranks(batches: list[Tensor]) -> None:
-        """Average every layer's batch blocks over the ranks with one all-reduce (in place)."""
+    def _average_across_ranks(self, batches: list[Tensor | None]) -> list[Tensor | None]:
+        """Every layer's batch blocks averaged over the ranks that captured it (one all-reduce
+        of all of them and of who captured what); None for a layer no rank captured (one in
+        ``eval()`` mode, or on a branch not taken). In one process, the batches as they are.
+        """
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        flat = torch.cat([b.flatten() for b in batches])
+            return batches
+        shapes = [block.batch_shape() for block in self.blocks]
+        device = self.blocks[0].module.weight.device
+        flat = torch.cat([torch.zeros(shape, device=device).flatten() if b is None
+                          else b.flatten() for b, shape in zip(batches, shapes, strict=True)]
+                         + [torch.tensor([float(b is not None) for b in batches],
+                                         device=device)])
         dist.all_reduce(flat)
-        flat /= dist.get_world_size()
+        counts = flat[-len(batches):].tolist()
+        out: list[Tensor | None] = []
         offset = 0
-        for b in batches:
-            b.copy_(flat[offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
+        for shape, count in zip(shapes, counts, strict=True):
+            size = math.prod(shape)
+            part = flat[offset:offset + size].view(shape)
+            out.append(part / count if count else None)
+            offset += size
+        return out
 
     def metrics(self) -> dict[str, float]:
         """Layers preconditioned at the last step; decomposition failures and skipped non-finite

@@ -10,6 +10,7 @@ accumulate, so such a module is supported (its factors average over the calls).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +25,8 @@ class CaptureHooks:
 
     Args:
         module: The layer to watch.
-        on_input: Called with the (detached) first positional input of each forward call.
+        on_input: Called with the (detached) input of each forward call: its first positional
+            argument, or its ``input`` keyword argument.
         on_grad_output: Called with the (detached) gradient of each call's output.
         enabled: Whether to capture the current forward/backward pass.
     """
@@ -39,9 +41,11 @@ class CaptureHooks:
         self._on_input = on_input
         self._on_grad_output = on_grad_output
         self._enabled = enabled
-        self._handle: RemovableHandle = module.register_forward_hook(self._forward_hook)
+        self._handle: RemovableHandle = module.register_forward_hook(self._forward_hook,
+                                                                     with_kwargs=True)
 
-    def _forward_hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+    def _forward_hook(self, module: nn.Module, inputs: tuple[Tensor, ...],
+                      kwargs: dict[str, Any], output: Tensor) -> None:
         if not (module.training and torch.is_grad_enabled() and self._enabled()):
             return
         if not isinstance(output, Tensor):
@@ -49,7 +53,12 @@ class CaptureHooks:
                 f"{type(module).__name__} returned {type(output).__name__}; curvature capture "
                 "needs a single output tensor (skip this layer with skip_layers)"
             )
-        self._on_input(inputs[0].detach())
+        x = inputs[0] if inputs else kwargs.get("input")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{type(module).__name__} was called without its input as the first "
+                            "positional or the `input` keyword argument; call it with the input "
+                            "first, or skip this layer with skip_layers")
+        self._on_input(x.detach())
         if output.requires_grad:
             output.register_hook(self._grad_hook)
 

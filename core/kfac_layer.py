@@ -72,6 +72,7 @@ class KFACLayer(PreconditionedLayer):
         A new micro-step (gradient accumulation) folds the previous one's tensors into the
         pending batch factors first, so at most one micro-step's tensors are held.
         """
+        self.check_input(x)
         if self.captured_grads:
             self.fold_captures()
         self.captured_inputs.append(x)

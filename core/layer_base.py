@@ -78,6 +78,16 @@ class PreconditionedLayer:
         """Where the layer's weight, and so its second-order state, lives."""
         return self.helper.weight.device
 
+    def check_input(self, x: Tensor) -> None:
+        """Refuse a captured input this layer cannot build rows from (an unbatched one).
+
+        Raises:
+            ValueError: naming the layer, the shape and the fix.
+        """
+        problem = self.helper.input_problem(x)
+        if problem is not None:
+            raise ValueError(f"{self.name}: {problem}")
+
     def discard_pending(self) -> None:
         """Forget everything captured for this step (an AMP overflow step)."""
         raise NotImplementedError

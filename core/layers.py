@@ -76,15 +76,36 @@ class Rows:
 
 
 class LayerHelper:
-    """Base class: the weight/bias access shared by all supported layer types."""
+    """Base class: the weight/bias access shared by all supported layer types.
+
+    Attributes:
+        input_dims: The fewest and the most dimensions (None: any) of an input the rows are
+            built from.
+    """
+
+    input_dims: tuple[int, int | None] = (2, None)
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
 
+    def input_problem(self, x: Tensor) -> str | None:
+        """What is wrong with a captured input's shape for this layer type, or None."""
+        low, high = self.input_dims
+        if low <= x.dim() and (high is None or x.dim() <= high):
+            return None
+        wanted = f"{low}" if high == low else f"at least {low}" if high is None else \
+            f"{low} to {high}"
+        return (f"{type(self.module).__name__} got a {x.dim()}-D input of shape "
+                f"{tuple(x.shape)}; its curvature needs {wanted} dimensions, the first the "
+                "batch (add one, or skip the layer with skip_layers)")
+
     @property
     def has_bias(self) -> bool:
-        """Whether the module has a bias (it becomes the last column of ``W̄``)."""
-        return getattr(self.module, "bias", None) is not None
+        """Whether the module has a trained bias (it becomes the last column of ``W̄``; a frozen
+        one is left out, so it keeps no gradient and the weight's curvature has no column
+        for it)."""
+        bias = getattr(self.module, "bias", None)
+        return bias is not None and bias.requires_grad
 
     @property
     def weight(self) -> Tensor:
@@ -241,6 +262,8 @@ class Conv2dHelper(LayerHelper):
     Patches are in channel-major ``(c_in, k_h, k_w)`` order, matching ``weight.view(c_out, -1)``.
     """
 
+    input_dims = (4, 4)
+
     def __init__(self, module: nn.Module) -> None:
         assert isinstance(module, nn.Conv2d)
         if module.groups != 1:
@@ -255,6 +278,7 @@ class Conv2dHelper(LayerHelper):
             )
         super().__init__(module)
         self.conv: nn.Conv2d = module
+        self._padding()  # an unsupported padding is refused here, not at the first step
 
     def _padding(self) -> tuple[int, int]:
         padding = self.conv.padding

@@ -137,6 +137,7 @@ class Rank1Layer(PreconditionedLayer):
 
     def capture_input(self, x: Tensor) -> None:
         """Accumulate ``ā`` of one forward call."""
+        self.check_input(x)
         self.a.accumulate(activation_vector(self.helper, x, self.dtype))
 
     def capture_grad_output(self, gy: Tensor) -> None:

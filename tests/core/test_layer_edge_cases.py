@@ -1,0 +1,82 @@
+"""Layers the preconditioners meet in real models: a frozen bias, a layer called with its input
+as a keyword, a convolution whose padding cannot be supported, an unbatched input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core import EvaPreconditioner, KFACPreconditioner, MKORPreconditioner
+from core.batchnorm import BatchNormPreconditioner
+
+
+def test_a_frozen_bias_is_left_out_of_the_curvature_and_keeps_no_gradient() -> None:
+    """Its column would couple the weight to a zero gradient and write one into the bias: the
+    weight is preconditioned exactly as the same layer's without a bias (a zero bias, so both
+    compute the same outputs)."""
+    torch.manual_seed(0)
+    frozen, plain = nn.Linear(4, 3).double(), nn.Linear(4, 3, bias=False).double()
+    with torch.no_grad():
+        frozen.bias.zero_()
+        plain.weight.copy_(frozen.weight)
+    frozen.bias.requires_grad_(False)
+    x = torch.randn(16, 4, dtype=torch.float64)
+    for layer in (frozen, plain):
+        precond = KFACPreconditioner(layer, inverse_method="inverse", factor_dtype="float64",
+                                     inverse_dtype="float64")
+        layer(x).pow(2).mean().backward()
+        precond.step()
+        assert precond.layers[0].a_dim == 4
+    assert frozen.bias.grad is None
+    torch.testing.assert_close(frozen.weight.grad, plain.weight.grad, rtol=0, atol=0)
+
+
+def test_a_layer_called_with_its_input_as_a_keyword_is_captured() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    precond = KFACPreconditioner(layer, kl_clip=None)
+    x = torch.randn(8, 4)
+    layer(input=x).pow(2).mean().backward()
+    raw = layer.weight.grad.clone()
+    precond.step()
+    assert precond.layers[0].has_state and not torch.equal(layer.weight.grad, raw)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+def test_a_convolution_whose_padding_is_unsupported_is_left_first_order_when_found() -> None:
+    """``padding='same'`` with an even kernel pads asymmetrically: a warning when the
+    preconditioner is built (not an error at its first step), and the layer stays first-order."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 2, padding="same"), nn.Flatten(), nn.Linear(75, 2))
+    with pytest.warns(UserWarning, match="padding='same' and an even effective kernel"):
+        precond = KFACPreconditioner(model)
+    assert [layer.name for layer in precond.layers] == ["2"]
+    F.cross_entropy(model(torch.randn(4, 2, 5, 5)), torch.tensor([0, 1, 0, 1])).backward()
+    precond.step()
+
+
+@pytest.mark.parametrize("make", [KFACPreconditioner, MKORPreconditioner, EvaPreconditioner])
+def test_an_unbatched_input_is_refused_naming_the_layer(make: type) -> None:
+    model = nn.Sequential(nn.Linear(5, 3))
+    make(model)
+    with pytest.raises(ValueError, match=r"^0: Linear got a 1-D input of shape \(5,\); its "
+                                         r"curvature needs at least 2 dimensions"):
+        model(torch.randn(5))
+    conv = nn.Sequential(nn.Conv2d(2, 3, 3))
+    make(conv)
+    with pytest.raises(ValueError, match="Conv2d got a 3-D input .* needs 4 dimensions"):
+        conv(torch.randn(2, 6, 6))
+
+
+def test_one_idle_batchnorm_leaves_the_others_preconditioned() -> None:
+    """A BatchNorm in ``eval()`` captures nothing; the others still update their blocks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3),
+                          nn.BatchNorm1d(3))
+    model[4].eval()
+    precond = BatchNormPreconditioner(model, mode="diagonal")
+    F.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))).backward()
+    precond.step()
+    assert precond.last_preconditioned == 1
+    assert precond.blocks[0].inverse is not None and precond.blocks[1].inverse is None

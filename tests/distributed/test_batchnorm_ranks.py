@@ -1,0 +1,51 @@
+"""The BatchNorm Fisher blocks in a distributed run: each layer's batch blocks are averaged over
+the ranks that captured it, and a layer one rank did not run (here in ``eval()`` there) still
+gets the other ranks' blocks, matching the single-process blocks of each rank's data."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core.batchnorm import BatchNormPreconditioner
+from tests.distributed.helpers import run_workers
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3),
+                         nn.BatchNorm1d(3))
+
+
+def data(rank: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(8, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+
+
+def fisher_after_one_step(rank: int, idle_last: bool) -> list[Tensor | None]:
+    """Each BatchNorm's Fisher blocks after one step on ``rank``'s data (the last BatchNorm in
+    ``eval()`` when ``idle_last``)."""
+    net = model()
+    if idle_last:
+        net[4].eval()
+    precond = BatchNormPreconditioner(net, mode="diagonal", factor_decay=0.0)
+    x, y = data(rank)
+    F.cross_entropy(net(x), y).backward()
+    precond.step()
+    return [block.fisher.value for block in precond.blocks]
+
+
+def worker(rank: int, world_size: int) -> list[Tensor | None]:
+    torch.set_num_threads(1)
+    return fisher_after_one_step(rank, idle_last=rank == 1)
+
+
+def test_each_layer_averages_the_ranks_that_ran_it() -> None:
+    alone = [fisher_after_one_step(rank, idle_last=rank == 1) for rank in (0, 1)]
+    assert alone[1][1] is None  # in one process the idle layer keeps no blocks
+    results = run_workers(worker, 2)
+    assert all(r[0] is not None and r[1] is not None for r in results)
+    for got in results:
+        torch.testing.assert_close(got[0], (alone[0][0] + alone[1][0]) / 2)
+        torch.testing.assert_close(got[1], alone[0][1])  # only rank 0 ran it
