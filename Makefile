@@ -30,8 +30,8 @@ test: setup lint
 	$(OFFLINE_ENV) $(BIN)/python -m pytest -q
 
 # The MKOR reproduction's built-in default: BERT pre-training with LAMB, K-FAC, MKOR, MKOR-H and
-# Eva on the built-in English corpus, ending with the comparison table (about 9 min on 2 idle
-# cores, estimated). Options go in ARGS, e.g. `make run ARGS="--threads 1"` on a busy machine.
+# Eva on the built-in English corpus, ending with the comparison table (17 min with one thread on
+# a shared 2-core machine). Options go in ARGS, e.g. `make run ARGS="--threads 1"` on a busy one.
 run: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
 		$(BIN)/python -m reproductions.mkor.bert $(ARGS)

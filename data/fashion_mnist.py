@@ -12,6 +12,7 @@ import os
 import pickle
 import socket
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -62,20 +63,47 @@ def fashion_mnist(train: bool, root: str | Path | None = None) -> TensorDataset:
         CorruptDataError: A source file or the cache is damaged or has the wrong shape.
     """
     cache = data_root(root) / "fashion-mnist" / f"{'train' if train else 'test'}.pt"
-    if not cache.exists():
+    source = _provenance(train)
+    blob = _load_cache(cache) if cache.exists() else None
+    # Rebuilt when absent, or built from other files than the source now holds (without
+    # source files, as on a machine the cache was copied to, it is used as it is)
+    if blob is None or (source != "download" and blob.get("source") != source):
         images, labels = _read_split(train, cache.parent)
+        blob = {"images": images, "labels": labels, "source": source}
         with atomic_path(cache) as tmp:
-            torch.save({"images": images, "labels": labels}, tmp)
+            torch.save(blob, tmp)
+    images, labels = blob["images"], blob["labels"]
+    images = images.to(torch.float32).div_(255.0).sub_(MEAN).div_(STD).unsqueeze(1)
+    return TensorDataset(images, labels)
+
+
+def _provenance(train: bool) -> str:
+    """The IDX files a split's cache must have been built from: their paths, sizes and
+    modification times in the source directory (``$KFAC_FASHION_MNIST_DIR`` or Debian's), or
+    ``"download"`` where that directory has none."""
+    files = _idx_files(fashion_mnist_source_dir(), train)
+    if files is None:
+        return "download"
+    return ";".join(f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
+                    for path in files)
+
+
+def _load_cache(cache: Path) -> dict[str, Any]:
+    """A split's cache as saved.
+
+    Raises:
+        CorruptDataError: it cannot be read (named, with the fix).
+    """
     try:
         blob = torch.load(cache, weights_only=True)
-        images, labels = blob["images"], blob["labels"]
+        if not isinstance(blob, dict) or not {"images", "labels"} <= blob.keys():
+            raise KeyError("images and labels")
+        return blob
     except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CorruptDataError(cache, f"is not a readable Fashion-MNIST cache ({first_line})",
                                f"delete {cache}; the next load rebuilds it from the IDX files"
                                ) from None
-    images = images.to(torch.float32).div_(255.0).sub_(MEAN).div_(STD).unsqueeze(1)
-    return TensorDataset(images, labels)
 
 
 def _read_split(train: bool, cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ layout, letting tests exercise the identical code path in seconds.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,15 @@ def image_folder(root: Path, train: bool, image_size: int) -> datasets.ImageFold
         raise DataUnavailableError(f"the '{split.name}' split {split}", FOLDER_FIX)
     if not any(child.is_dir() for child in split.iterdir()):
         raise DataUnavailableError(f"class folders inside {split}", FOLDER_FIX)
+    other = Path(root) / ("val" if train else "train")
+    if other.is_dir():  # labels are class-folder indices: both splits must list the same
+        mine, theirs = _class_folders(split), _class_folders(other)
+        if mine != theirs:
+            raise DataUnavailableError(
+                f"the same class folders in {split} and {other} (only in {split.name}: "
+                f"{sorted(mine - theirs)[:5]}; only in {other.name}: {sorted(theirs - mine)[:5]})",
+                "give both splits one folder per class, the same names in each: the labels "
+                "are the class folders' positions in sorted order")
     normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     if train:
         pipeline = [transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip()]
@@ -72,6 +82,11 @@ def image_folder(root: Path, train: bool, image_size: int) -> datasets.ImageFold
     except FileNotFoundError as exc:  # torchvision: a class folder without image files
         raise DataUnavailableError(f"images in every class folder of {split} ({exc})",
                                    FOLDER_FIX) from None
+
+
+def _class_folders(split: Path) -> set[str]:
+    """The class-folder names of a split, as torchvision's ``ImageFolder`` finds them."""
+    return {entry.name for entry in os.scandir(split) if entry.is_dir()}
 
 
 def load_rgb(path: str) -> Image.Image:

@@ -14,6 +14,7 @@ averaged by ``core.distributed.average_gradients`` (ledger stage ``grad_allreduc
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import os
 from pathlib import Path
@@ -163,11 +164,19 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--all-ranks", action="store_true", help="print every rank's ledger")
     args = parser.parse_args()
+    if args.examples <= args.batch_size:
+        parser.error(f"--examples ({args.examples}) must exceed --batch-size "
+                     f"({args.batch_size}): each step takes a window of the examples")
     device = setup()
     data = load_data(args.data, args.data_dir, args.examples)
     for strategy in (STRATEGIES if args.strategy == "all" else (args.strategy,)):
         train(strategy, args, data, device)
     if dist.is_initialized():
+        # Every rank done with every group (and the models' DDP reducers gone) before the
+        # groups are torn down: a rank leaving while another's gloo threads still ran aborted
+        # its process at exit ("terminate called without an active exception").
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,10 @@ TASKS = {
 def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
     """Sentences and labels of one GLUE TSV file.
 
-    GLUE's files contain unescaped quotes, so they are read with quoting off.
+    GLUE's files contain unescaped quotes, so they are read with quoting off; a leading
+    byte-order mark (MRPC's files have one) is dropped, and rows with too few columns (QQP's
+    training file has some) are skipped with a warning that counts them, as the task's
+    reference loaders do.
 
     Raises:
         FileNotFoundError: the file is missing (the message names it).
@@ -82,7 +86,7 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
         raise FileNotFoundError(f"{path} not found: --data-dir must hold the official GLUE "
                                 f"folders ({task.folder}/train.tsv, {task.folder}/"
                                 f"{task.dev_file})")
-    with path.open(encoding="utf-8", newline="") as handle:
+    with path.open(encoding="utf-8-sig", newline="") as handle:
         rows = list(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
     header, body = (rows[0], rows[1:]) if task.header else ([], rows)
 
@@ -96,7 +100,12 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
     text = [index(c) for c in task.text]
     label = index(task.label)
     out: dict[str, list[Any]] = {"text_a": [], "text_b": [], "label": []}
+    width = max(label, *text) + 1
+    short = []
     for number, row in enumerate(body, start=2 if task.header else 1):
+        if len(row) < width:
+            short.append(number)
+            continue
         value = row[label]
         if task.labels is None:
             out["label"].append(float(value))
@@ -106,6 +115,9 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
             raise ValueError(f"{path}:{number}: label {value!r} is not one of {task.labels}")
         out["text_a"].append(row[text[0]])
         out["text_b"].append(row[text[1]] if len(text) > 1 else None)
+    if short:
+        warnings.warn(f"{path}: skipped {len(short)} rows with fewer than {width} columns "
+                      f"(lines {short[:5]}{' ...' if len(short) > 5 else ''})", stacklevel=2)
     return out
 
 

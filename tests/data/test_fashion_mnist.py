@@ -65,3 +65,19 @@ def test_real_fashion_mnist(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sorted(labels.unique().tolist()) == list(range(10))
     assert abs(images.mean().item()) < 0.05
     assert len(fm.fashion_mnist(train=True)) == 60000
+
+
+def test_cache_is_rebuilt_when_the_source_files_change(tiny_fashion_dir: Path,
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pointing ``$KFAC_FASHION_MNIST_DIR`` at other files (or replacing them) rebuilds the
+    split's cache instead of serving the data it was built from."""
+    assert len(fm.fashion_mnist(train=False, root=tmp_path / "c")) == 3
+    other = tmp_path / "other"
+    other.mkdir()
+    for path in tiny_fashion_dir.iterdir():
+        (other / path.name).write_bytes(path.read_bytes())
+    write_idx(other / "t10k-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
+    write_idx(other / "t10k-labels-idx1-ubyte.gz", np.zeros(2, np.uint8))
+    monkeypatch.setenv(fm.SOURCE_DIR_ENV, str(other))
+    assert len(fm.fashion_mnist(train=False, root=tmp_path / "c")) == 2

@@ -44,3 +44,19 @@ def test_missing_split_and_empty_split(tmp_path: Path) -> None:
     (root / "val").mkdir()
     with pytest.raises(DataUnavailableError, match="class folders inside"):
         image_folder(root, train=False, image_size=8)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_splits_with_other_class_folders_are_refused_naming_them(tmp_path: Path,
+                                                                 train: bool) -> None:
+    """Labels are the class folders' sorted positions: a class missing from one split (or a
+    stray folder) would shift every later label of that split without an error."""
+    root = make_tiny_image_folder(tmp_path / "tiny", classes=3, per_class=1, size=8)
+    shutil.rmtree(root / "val" / "class_000")
+    (root / "val" / "stray").mkdir()
+    (root / "val" / "stray" / "x.png").write_bytes((root / "train" / "class_000" / "img_000.png"
+                                                    ).read_bytes())
+    with pytest.raises(DataUnavailableError,
+                       match=r"only in (train: \['class_000'\]; only in val: \['stray'\]|"
+                             r"val: \['stray'\]; only in train: \['class_000'\])"):
+        image_folder(root, train=train, image_size=8)

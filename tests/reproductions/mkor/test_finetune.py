@@ -70,6 +70,23 @@ def test_glue_errors_name_the_file(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"train.tsv:2: label 'maybe'"):
         glue.main(["--task", "rte", *common_args(tmp_path, model_dir, tmp_path / "o")])
 
+def test_glue_files_as_distributed_mrpc_bom_and_qqp_short_rows(tmp_path: Path) -> None:
+    """MRPC's official files start with a byte-order mark, QQP's training file has rows with
+    too few columns: the first is read, the second skipped with a warning counting them."""
+    mrpc = tmp_path / "train.tsv"
+    mrpc.write_text("\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                    "1\t1\t2\tA cat.\tA feline.\n0\t3\t4\tRain.\tSun.\n", encoding="utf-8")
+    rows = glue.read_split(mrpc, glue.TASKS["mrpc"])
+    assert rows == {"text_a": ["A cat.", "Rain."], "text_b": ["A feline.", "Sun."],
+                    "label": [1, 0]}
+    qqp = tmp_path / "qqp.tsv"
+    qqp.write_text("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+                   "0\t1\t2\tWhy?\tHow?\t0\n1\t3\t4\tbroken row\n"
+                   "2\t5\t6\tWho?\tWhom?\t1\n", encoding="utf-8")
+    with pytest.warns(UserWarning, match=r"skipped 1 rows with fewer than 6 columns \(lines \[3\]"):
+        rows = glue.read_split(qqp, glue.TASKS["qqp"])
+    assert rows["label"] == [0, 1] and rows["text_a"] == ["Why?", "Who?"]
+
 
 @pytest.mark.parametrize(("metric", "predictions", "labels", "expected"), [
     ("accuracy", [1, 0, 1], [1, 1, 1], 2 / 3),
