@@ -11,6 +11,7 @@ restart the whole group with ``TORCHELASTIC_RESTART_COUNT`` raised by one;
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import random
@@ -130,6 +131,16 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def finished() -> None:
+    """Wait, at the normal end of a run, until every rank has finished with every group, so
+    none tears its groups down (:func:`cleanup`) while another's collectives or gloo threads
+    still run (a rank could abort at exit: "terminate called without an active exception").
+    Not for error paths: a rank that failed would never arrive."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gc.collect()  # the models' DDP reducers and the preconditioners' handles first
+        dist.barrier()
 
 
 def cleanup() -> None:

@@ -48,6 +48,7 @@ from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import (
     DistContext,
     cleanup,
+    finished,
     init_distributed,
     run_local,
     seed_everything,
@@ -345,8 +346,10 @@ def run(names: list[str], config: TrainConfig, out: Path, run_dir: Path,
         data_dir: str | None, wandb_mode: str) -> list[dict[str, Any]]:
     """Train every optimizer in turn in this (already joined) process."""
     ctx = init_distributed()
-    return [train_one(name, config, ctx, out=out, run_dir=run_dir, data_dir=data_dir,
-                      wandb_mode=wandb_mode) for name in names]
+    results = [train_one(name, config, ctx, out=out, run_dir=run_dir, data_dir=data_dir,
+                         wandb_mode=wandb_mode) for name in names]
+    finished()
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:

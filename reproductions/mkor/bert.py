@@ -47,6 +47,7 @@ from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import (
     DistContext,
     cleanup,
+    finished,
     init_distributed,
     main_process_first,
     seed_everything,
@@ -533,6 +534,7 @@ def _compare(cfg: PretrainConfig, args: argparse.Namespace) -> list[dict[str, An
             cfg = replace(cfg, init_checkpoint=str(start))
         examples, tokenizer = prepare_examples(cfg, ctx, args)
         runs = [train(cfg, name, ctx, args, examples, tokenizer) for name in cfg.optimizers]
+        finished()
     finally:
         cleanup()
     complete = [r for r in runs if r["finished"]]

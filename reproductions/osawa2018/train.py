@@ -48,7 +48,13 @@ from reproductions.common.checkpoint import (
     save_checkpoint,
 )
 from reproductions.common.cli import exit_on_user_error, positive_int
-from reproductions.common.launch import DistContext, cleanup, init_distributed, seed_everything
+from reproductions.common.launch import (
+    DistContext,
+    cleanup,
+    finished,
+    init_distributed,
+    seed_everything,
+)
 from reproductions.common.results import RunRecorder
 from reproductions.common.rng import capture_rng_state, restore_rng_state
 from reproductions.common.tracking import Tracker, add_wandb_argument
@@ -145,9 +151,11 @@ def run(config: OsawaConfig, *, out: Path, data_dir: str | None = None,
     """
     ctx = init_distributed()
     try:
-        return _run(config, ctx, out=Path(out), data_dir=data_dir, folder=folder,
-                    resume=resume or ctx.restarts > 0, max_steps=max_steps,
-                    checkpoint_every=checkpoint_every, wandb=wandb, progress=progress)
+        result = _run(config, ctx, out=Path(out), data_dir=data_dir, folder=folder,
+                      resume=resume or ctx.restarts > 0, max_steps=max_steps,
+                      checkpoint_every=checkpoint_every, wandb=wandb, progress=progress)
+        finished()
+        return result
     finally:
         cleanup()
 

@@ -97,3 +97,24 @@ def test_a_user_error_in_a_worker_reaches_the_launcher_as_one_line() -> None:
 
 def _bad_setting_by_rank() -> None:
     _bad_setting(int(os.environ["RANK"]))
+
+
+def _finish_late() -> float:
+    """Rank 1 reaches the end half a second later; the seconds rank 0 waited in finished()."""
+    import time
+
+    from reproductions.common.launch import finished
+
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(0.5)
+    start = time.monotonic()
+    finished()
+    return time.monotonic() - start
+
+
+def test_finished_waits_for_every_rank_and_is_free_alone() -> None:
+    from reproductions.common.launch import finished, run_local
+
+    waited = run_local(_finish_late, 2, timeout=120)
+    assert waited[0] >= 0.4 > waited[1]
+    finished()  # no process group: nothing to wait for
