@@ -256,7 +256,8 @@ def fmt(value: Any, unit: str = "") -> str:
     elif isinstance(value, int):
         text = f"{value:,}"
     elif isinstance(value, float):
-        text = f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+        # by the value as shown: 9,999.7 rounds to 10,000, not 1e+04
+        text = f"{value:,.0f}" if abs(float(f"{value:.4g}")) >= 1e4 else f"{value:.4g}"
     else:
         text = str(value)
     return f"{text} {unit}".strip() if unit else text

@@ -43,8 +43,11 @@ from scripts.make_docs_pages import PAPERS, REPO_ROOT, Paper, read_paper
 
 TABLES_GROUP = "tables"
 WORKSPACE_NAME = "kfac-repro"
-#: Metrics whose name starts with this are per-stage seconds, drawn as one bar chart.
-STAGE_TIME_PREFIX = "time/"
+#: Per-stage seconds, drawn as one bar chart: ``time/<stage>`` under any prefix (the entry
+#: points log the preconditioner's metrics as ``optimizer/time/...`` or ``kfac/time/...``).
+STAGE_TIME = re.compile(r"(^|/)time/")
+#: History rows :func:`discover_metrics` samples per run to learn which keys are logged per step.
+HISTORY_SAMPLES = 20
 
 
 def project_name(paper: str) -> str:
@@ -116,7 +119,11 @@ def log_tables(paper: Paper, tables: Sequence[Table], directory: Path, mode: str
 
 
 def discover_metrics(api: Any, entity: str, project: str) -> dict[str, list[str]]:
-    """The numeric summary metrics of each experiment (group) in a W&B project.
+    """The numeric metrics each experiment (group) of a W&B project logs step by step.
+
+    Keys come from a sample of each run's history (:data:`HISTORY_SAMPLES` rows), not from
+    its summary, which also holds values set once at the end (``final_loss``, ``steps``):
+    those have no history to plot against the step.
 
     Args:
         api: A logged-in ``wandb.Api``.
@@ -132,18 +139,19 @@ def discover_metrics(api: Any, entity: str, project: str) -> dict[str, list[str]
         if not run.group or run.group == TABLES_GROUP:
             continue
         keys = found.setdefault(run.group, set())
-        for key, value in run.summary.items():
-            if not key.startswith("_") and isinstance(value, int | float) \
-                    and not isinstance(value, bool):
-                keys.add(key)
+        for row in run.history(samples=HISTORY_SAMPLES, pandas=False):
+            for key, value in row.items():
+                if not key.startswith("_") and isinstance(value, int | float) \
+                        and not isinstance(value, bool):
+                    keys.add(key)
     return {group: sorted(keys) for group, keys in sorted(found.items())}
 
 
 def panels(metrics: Sequence[str]) -> list[Any]:
     """One line plot per metric against the step; per-stage seconds as one bar chart."""
-    stage_times = [m for m in metrics if m.startswith(STAGE_TIME_PREFIX)]
+    stage_times = [m for m in metrics if STAGE_TIME.search(m)]
     out: list[Any] = [wr.LinePlot(title=m, x="Step", y=[m]) for m in metrics
-                      if not m.startswith(STAGE_TIME_PREFIX)]
+                      if not STAGE_TIME.search(m)]
     if stage_times:
         out.append(wr.BarPlot(title="optimizer seconds per stage", metrics=stage_times))
     return out

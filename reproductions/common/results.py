@@ -125,6 +125,21 @@ def _json_number(value: Any) -> Any:
     return value
 
 
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN or infinity inside it (in objects and lists too) as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def _is_finite_number(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value)
+
+
 def _check_entries(entries: Any, name: str, required: tuple[str, ...], first_index: int = 0
                    ) -> None:
     if not isinstance(entries, list):
@@ -144,11 +159,13 @@ def _check_entries(entries: Any, name: str, required: tuple[str, ...], first_ind
             raise ResultsError(f"field '{where}.step' is {step}, not after the previous {last}")
         last = step
         for key, value in entry.items():
-            if key != "step" and not (_is_number(value) or value is None):
-                raise ResultsError(f"field '{where}.{key}' must be a number or null, "
+            if key != "step" and not (_is_finite_number(value) or value is None):
+                raise ResultsError(f"field '{where}.{key}' must be a finite number or null, "
                                    f"got {value!r}")
-        if "time_s" in required and not (_is_number(entry["time_s"]) and entry["time_s"] >= 0):
-            raise ResultsError(f"field '{where}.time_s' must be >= 0, got {entry['time_s']!r}")
+        if "time_s" in required and not (_is_finite_number(entry["time_s"])
+                                         and entry["time_s"] >= 0):
+            raise ResultsError(f"field '{where}.time_s' must be a finite number >= 0, got "
+                               f"{entry['time_s']!r}")
 
 
 def validate_results(data: Any) -> None:
@@ -177,7 +194,8 @@ def validate_results(data: Any) -> None:
         if not isinstance(data.get(key), dict):
             raise ResultsError(f"field '{key}' must be an object, got {data.get(key)!r}")
     for key, kind in _HARDWARE_FIELDS.items():
-        if not isinstance(data["hardware"].get(key), kind):
+        value = data["hardware"].get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ResultsError(f"field 'hardware.{key}' must be a {kind.__name__}, "
                                f"got {data['hardware'].get(key)!r}")
     if not isinstance(data["hardware"].get("cuda", 0), str | type(None)):
@@ -185,8 +203,9 @@ def validate_results(data: Any) -> None:
     _check_entries(data.get("steps"), "steps", _REQUIRED_STEP_FIELDS)
     _check_entries(data.get("evals"), "evals", ("step",))
     for stage, seconds in data["optimizer_stage_time_s"].items():
-        if not _is_number(seconds):
-            raise ResultsError(f"field 'optimizer_stage_time_s.{stage}' must be a number")
+        if not _is_finite_number(seconds):
+            raise ResultsError(f"field 'optimizer_stage_time_s.{stage}' must be a finite "
+                               f"number, got {seconds!r}")
     if not isinstance(data["ledger"], dict | None):
         raise ResultsError("field 'ledger' must be an object or null")
     wandb = data["wandb"]
@@ -237,7 +256,7 @@ def _write_json_atomic(path: Path, data: Any) -> Path:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=1)
+            json.dump(data, handle, indent=1, allow_nan=False)  # strict JSON
             handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())
@@ -317,7 +336,7 @@ class RunRecorder:
             if key not in _UPDATABLE:
                 raise KeyError(f"{key!r} is not an updatable results field; choose among "
                                + ", ".join(_UPDATABLE))
-            self.data[key] = scrub_secrets(value, by_name=key == "config")
+            self.data[key] = _finite_or_none(scrub_secrets(value, by_name=key == "config"))
 
     def finish(self) -> None:
         """Stamp the ``finished`` time (a file without it is an interrupted run)."""

@@ -139,12 +139,12 @@ def format_cell(value: Cell) -> str:
         return value
     if isinstance(value, int):
         return f"{value:,}"
-    magnitude = abs(value)
-    if magnitude >= 10:
-        return f"{value:,.1f}"
-    if magnitude >= 1:
+    # The range is chosen by the value as it will be shown (0.9996 shows as 1.00, not 1).
+    if abs(float(f"{value:.3g}")) < 1:
+        return f"{value:.3g}"
+    if abs(round(value, 2)) < 10:
         return f"{value:.2f}"
-    return f"{value:.3g}"
+    return f"{value:,.1f}"
 
 
 def markdown_grid(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

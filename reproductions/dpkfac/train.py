@@ -321,7 +321,8 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     result: dict[str, Any] = {}
     if ctx.is_main:
         evals = recorder.data["evals"]
-        losses = [s["loss"] for s in recorder.data["steps"]][-steps_per_epoch:]
+        losses = [s["loss"] for s in recorder.data["steps"][-steps_per_epoch:]
+                  if s["loss"] is not None]  # a diverged step's loss is recorded as null
         recorder.update(
             memory=memory,
             ledger={k: asdict(v) for k, v in communicator.ledger.summary().items()},
@@ -330,7 +331,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
             summary={"final_test_accuracy": evals[-1]["test_accuracy"],
                      "best_test_accuracy": max(e["test_accuracy"] for e in evals),
                      "final_test_loss": evals[-1]["test_loss"],
-                     "final_train_loss": sum(losses) / len(losses),
+                     "final_train_loss": sum(losses) / len(losses) if losses else None,
                      "train_seconds": elapsed, "steps": total,
                      "epochs": total / steps_per_epoch, "world_size": ctx.world_size,
                      "kfac_layers": 0 if precond is None else len(precond.layers)})

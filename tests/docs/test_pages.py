@@ -154,6 +154,7 @@ def test_readme_section_stops_at_the_next_heading_of_its_level() -> None:
 @pytest.mark.parametrize(("value", "unit", "text"), [
     (None, "", "—"), (float("nan"), "GB", "—"), (1234567, "", "1,234,567"),
     (0.123456, "s", "0.1235 s"), (98765.4, "", "98,765"), (True, "", "yes"), ("3 h", "", "3 h"),
+    (9999.7, "s", "10,000 s"), (9999.4, "", "9999"),
 ])
 def test_fmt(value: object, unit: str, text: str) -> None:
     assert fmt(value, unit) == text

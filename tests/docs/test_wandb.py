@@ -14,9 +14,11 @@ from scripts.make_docs_pages import PAPERS, read_paper
 from scripts.wandb_dashboards import (
     build_report,
     build_workspace,
+    discover_metrics,
     group_filter,
     log_tables,
     main,
+    panels,
     project_name,
     row_slugs,
     table_figures,
@@ -91,6 +93,41 @@ def test_the_workspace_has_a_section_per_experiment() -> None:
     assert workspace.project == "kfac-repro-mkor"
     assert [s.name for s in workspace.sections] == list(EXPERIMENTS)
     assert len(workspace.sections[0].panels) == 3  # two line plots and the stage-time bars
+
+
+class FakeRun:
+    def __init__(self, group: str, history: list[dict], summary: dict) -> None:
+        self.group, self._history, self.summary = group, history, summary
+
+    def history(self, samples: int, pandas: bool) -> list[dict]:
+        assert not pandas
+        return self._history[:samples]
+
+
+class FakeApi:
+    def __init__(self, runs: list[FakeRun]) -> None:
+        self._runs = runs
+
+    def runs(self, path: str) -> list[FakeRun]:
+        assert path == "someone/kfac-repro-mkor"
+        return self._runs
+
+
+def test_dashboards_plot_what_runs_log_per_step_and_their_stage_times_as_bars() -> None:
+    """Summary-only values (set once at the end) have no history to plot; the entry points'
+    prefixed stage times (``optimizer/time/...``) go into the stage bar chart."""
+    history = [{"_step": 0, "train/loss": 2.0, "optimizer/time/factors": 0.1,
+                "optimizer/time/inversion": 0.2, "flag": True, "note": "x"}]
+    api = FakeApi([FakeRun("default", history, {"final_loss": 1.0, "steps": 3}),
+                   FakeRun("tables", [{"T1/a/b": 1.0}], {}),
+                   FakeRun("default", [{"eval/loss": 1.5}], {})])
+    metrics = discover_metrics(api, "someone", project_name("mkor"))
+    assert metrics == {"default": ["eval/loss", "optimizer/time/factors",
+                                   "optimizer/time/inversion", "train/loss"]}
+    made = panels(metrics["default"])
+    assert [p.y for p in made if isinstance(p, wr.LinePlot)] == [["eval/loss"], ["train/loss"]]
+    (bars,) = [p for p in made if isinstance(p, wr.BarPlot)]
+    assert bars.metrics == ["optimizer/time/factors", "optimizer/time/inversion"]
 
 
 def test_dashboards_without_a_login_create_nothing(monkeypatch: pytest.MonkeyPatch,

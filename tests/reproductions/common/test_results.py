@@ -61,11 +61,16 @@ def test_truncated_file(tmp_path: Path) -> None:
     (lambda d: d.update(schema="other/v0"), "field 'schema'"),
     (lambda d: d.pop("optimizer"), "field 'optimizer'"),
     (lambda d: d["steps"][1].pop("time_s"), r"field 'steps\[1\]' lacks 'time_s'"),
-    (lambda d: d["steps"][0].update(loss="low"), r"field 'steps\[0\].loss' must be a number"),
+    (lambda d: d["steps"][0].update(loss="low"), r"field 'steps\[0\].loss' must be a finite"),
     (lambda d: d["steps"][1].update(step=0), r"steps\[1\].step' is 0, not after"),
     (lambda d: d["hardware"].pop("threads"), "field 'hardware.threads'"),
     (lambda d: d.update(wandb={"project": "p"}), "field 'wandb'"),
     (lambda d: d.pop("ledger"), "field 'ledger' is missing"),
+    (lambda d: d["steps"][0].update(time_s=math.inf), r"steps\[0\].time_s' must be a finite"),
+    (lambda d: d["steps"][0].update(loss=math.nan), r"steps\[0\].loss' must be a finite"),
+    (lambda d: d["optimizer_stage_time_s"].update(precondition=math.nan),
+     "optimizer_stage_time_s.precondition' must be a finite number"),
+    (lambda d: d["hardware"].update(threads=True), "field 'hardware.threads' must be a int"),
 ])
 def test_invalid_fields_are_named(tmp_path: Path, change, message: str) -> None:
     data = json.loads(recorder().write(tmp_path / "run.json").read_text())
@@ -74,6 +79,20 @@ def test_invalid_fields_are_named(tmp_path: Path, change, message: str) -> None:
     with pytest.raises(ResultsError, match=message) as info:
         load_results(tmp_path / "run.json")
     assert str(info.value).startswith(str(tmp_path / "run.json"))
+
+
+def test_non_finite_values_anywhere_are_written_as_null_in_strict_json(tmp_path: Path) -> None:
+    """A summary or memory value that is NaN or infinite (a diverged run's scores) becomes null,
+    so the file is strict JSON that any reader parses."""
+    rec = recorder()
+    rec.update(summary={"final_loss": math.nan, "scores": [1.0, math.inf]},
+               memory={"peak": -math.inf})
+    path = rec.write(tmp_path / "run.json")
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    data = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-strict {name}"))
+    assert data["summary"] == {"final_loss": None, "scores": [1.0, None]}
+    assert data["memory"] == {"peak": None}
 
 
 def test_recorder_rejects_bad_entries() -> None:

@@ -12,6 +12,7 @@ from reproductions.common.tables import (
     SCHEMA,
     Table,
     TablesError,
+    format_cell,
     load_tables,
     markdown_grid,
     update_tables,
@@ -83,3 +84,13 @@ def test_load_names_the_file_and_field(tmp_path: Path) -> None:
         load_tables(path)
     with pytest.raises(TablesError, match="ids repeat"):
         write_tables(tmp_path / "t.json", "p", [table(), table()])
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    (0.5, "0.5"), (0.9996, "1.00"), (-0.9996, "-1.00"), (1.0, "1.00"), (9.99, "9.99"),
+    (9.996, "10.0"), (99.96, "100.0"), (12345.67, "12,345.7"), (0.001234, "0.00123"),
+    (3, "3"), (None, "—"),
+])
+def test_format_cell_picks_the_range_of_the_value_as_shown(value: object, text: str) -> None:
+    """The number of decimals follows the rounded value, so 0.9996 is not shown as "1"."""
+    assert format_cell(value) == text

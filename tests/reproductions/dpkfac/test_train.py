@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -73,3 +74,17 @@ def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert info.value.code == 1
     assert "saved by a run with other settings (lr: 0.05 saved, 0.5 now)" in capsys.readouterr().err
     assert load_results(path) == again
+
+
+def test_a_diverged_run_still_ends_with_a_summary(tmp_path: Path) -> None:
+    """Non-finite losses are recorded as null; the end-of-run summary leaves them out instead of
+    failing on them, so the results file is finished."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(asdict(TrainConfig(test_examples=100, lr=1e30))))
+    main(["--optimizer", "sgd", "--workers", "1", "--config", str(config), "--max-steps", "3",
+          "--out", str(tmp_path / "results"), "--run-dir", str(tmp_path / "run"),
+          "--wandb", "disabled"])
+    run = load_results(tmp_path / "results" / "fashion_mnist-sgd.json")
+    assert run["finished"] and any(s["loss"] is None for s in run["steps"])
+    final = run["summary"]["final_train_loss"]
+    assert final is None or math.isfinite(final)
