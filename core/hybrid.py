@@ -188,6 +188,12 @@ class HybridSwitch:
         if not self.switched:
             self.preconditioner.step()
 
+    def skip_step(self) -> None:
+        """The preconditioner's ``skip_step`` (a step the optimizer skipped), unless switched."""
+        skip = getattr(self.preconditioner, "skip_step", None)
+        if not self.switched and skip is not None:
+            skip()
+
     def metrics(self) -> dict[str, float]:
         """The wrapped preconditioner's metrics (while it runs), the mode and the rate."""
         out: dict[str, float] = {}

@@ -120,6 +120,15 @@ class SecondOrderOptimizer:
             self.preconditioner.step()
         self.base.step()
 
+    def skip_step(self) -> None:
+        """Tell the preconditioner that this step's update was skipped without :meth:`step`
+        (call it when a ``GradScaler`` skipped ``optimizer.step()`` on an overflow: its
+        ``get_scale()`` fell in ``update()``), so the statistics captured in the step are
+        dropped instead of entering the next update."""
+        skip = getattr(self.preconditioner, "skip_step", None)
+        if skip is not None:
+            skip()
+
     def metrics(self) -> dict[str, float]:
         """The preconditioner's metrics and the base's learning rate."""
         out: dict[str, float] = {"lr": float(self.base.param_groups[0]["lr"])}

@@ -325,6 +325,17 @@ class KFACPreconditioner:
             self._update_running_factors(decay)
         self._end_step()
 
+    def skip_step(self) -> None:
+        """Account for a step whose optimizer update was skipped without :meth:`step` running
+        (a ``GradScaler`` that found an overflow skips ``optimizer.step()`` altogether): the
+        factors its hooks captured are dropped and the step is counted, as :meth:`step` does
+        with an overflow it sees."""
+        self._settle_backward_reduction()
+        for layer in self.layers:
+            layer.discard_pending()
+        self.skipped_overflow_steps += 1
+        self._end_step()
+
     def _update_running_factors(self, decay: float) -> None:
         """Blend every layer's staged (and reduced) batch factors into its running averages."""
         with self.timer.stage("factors"):

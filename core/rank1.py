@@ -17,6 +17,7 @@ and how the results are scaled.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -207,6 +208,7 @@ class Rank1Preconditioner:
         self.comm_dtype: torch.dtype = getattr(torch, self.config.comm_dtype or self.config.dtype)
         self.steps = 0
         self.skipped_overflow_steps = 0
+        self.nonfinite_statistics_skips = 0
         self._loss_scale_cache: float | None = None
         self._slice_owner: Tensor | None = None  # layer index of each entry of the vectors
         self.communicator = communicator or Communicator.from_torch()
@@ -285,11 +287,24 @@ class Rank1Preconditioner:
             self._scale(written)
         self._end_step()
 
+    def skip_step(self) -> None:
+        """Account for a step whose optimizer update was skipped without :meth:`step` running
+        (a ``GradScaler`` that found an overflow skips ``optimizer.step()`` altogether): the
+        statistics its hooks captured are dropped and the step is counted, as :meth:`step`
+        does with an overflow it sees."""
+        for layer in self.layers:
+            layer.discard_pending()
+        self.skipped_overflow_steps += 1
+        self._end_step()
+
     def _update_captured(self, vector: Tensor) -> None:
         """Update every layer from its slices ``ā``, ``ḡ`` of the rank-averaged ``vector``.
 
-        Layers whose two slices are all zeros (not captured on any rank) are left as they are;
-        which those are is read with one reduction and one sync for all layers.
+        Layers whose two slices are all zeros (not captured on any rank) are left as they are,
+        and so, counted and reported, are layers whose slices are not finite (statistics
+        captured in a step whose gradients overflowed and whose ``step()`` never ran, as when a
+        ``GradScaler`` skips the optimizer: see :meth:`skip_step`); which those are is read with
+        one reduction and one sync for all layers.
         """
         sizes = [dim for layer in self.layers for dim in (layer.a_dim, layer.g_dim)]
         owner = self._slice_owner
@@ -298,11 +313,19 @@ class Rank1Preconditioner:
                 torch.tensor(sizes, device=vector.device)) // 2
             self._slice_owner = owner
         magnitude = torch.zeros(len(self.layers), dtype=vector.dtype, device=vector.device)
-        captured = magnitude.index_add_(0, owner, vector.abs()).ne(0).tolist()
+        magnitudes = magnitude.index_add_(0, owner, vector.abs()).tolist()
         slices = vector.split(sizes)
+        skipped = []
         for i, layer in enumerate(self.layers):
-            if captured[i]:
+            if not math.isfinite(magnitudes[i]):  # an overflowed capture the step never saw
+                skipped.append(layer.name)
+            elif magnitudes[i] != 0:
                 self._update_layer(layer, slices[2 * i], slices[2 * i + 1])
+        if skipped:
+            self.nonfinite_statistics_skips += len(skipped)
+            warnings.warn(f"non-finite statistics of {', '.join(skipped)} skipped "
+                          f"({self.nonfinite_statistics_skips} layer updates so far)",
+                          stacklevel=3)
 
     def _communicate(self, vector: Tensor) -> Tensor:
         """Average the concatenated vectors of all layers across ranks, in the wire dtype.
@@ -363,6 +386,7 @@ class Rank1Preconditioner:
         out["comm/elements"] = float(sum(entry.elements for entry in sent))
         out["comm/bytes"] = float(sum(entry.bytes for entry in sent))
         out["skipped_overflow_steps"] = float(self.skipped_overflow_steps)
+        out["nonfinite_statistics_skips"] = float(self.nonfinite_statistics_skips)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -411,8 +411,11 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it on below)
         _sync(ctx.device)
         t1 = time.perf_counter()
+        scale = scaler.get_scale()
         scaler.step(optimizer, loss)  # = optimizer.step(loss) unless fp16 gradients overflowed
         scaler.update()
+        if scaler.get_scale() < scale:  # skipped on an overflow: the captures are dropped
+            optimizer.skip_step()
         scheduler.step()
         _sync(ctx.device)
         t2 = time.perf_counter()
