@@ -123,3 +123,26 @@ def test_mixed_precision(run_args: list[str], precision: str) -> None:
                       "--wandb", "disabled"])
     for results in runs:
         assert results["finished"] and all(math.isfinite(s["loss"]) for s in results["steps"])
+
+
+def test_poly_schedule_is_nvidias_decay_from_the_start_of_training() -> None:
+    """``lr · p / warmup`` during the warm-up, ``lr · (1 − p)^power`` after it, ``p`` the
+    fraction of all steps done (NVIDIA's PolyWarmUpScheduler, not transformers')."""
+    from dataclasses import replace
+
+    import torch
+
+    from core import build_optimizer
+    from reproductions.mkor.config import load_config
+
+    cfg = replace(load_config("tiny"), steps=100, warmup=0.1, poly_power=0.5, lr=1.0,
+                  schedule="poly")
+    optimizer = build_optimizer("lamb", torch.nn.Linear(2, 2), lr=1.0)
+    scheduler = bert.make_scheduler(cfg, optimizer)
+    seen = {}
+    for step in range(100):
+        seen[step] = optimizer.param_groups[0]["lr"]
+        optimizer.base.step()
+        scheduler.step()
+    assert seen[0] == 0.0 and seen[5] == pytest.approx(0.5)
+    assert seen[10] == pytest.approx(0.9**0.5) and seen[55] == pytest.approx(0.45**0.5)
