@@ -175,6 +175,11 @@ class HasGrad(Protocol):
     grad: Tensor | None
 
 
+#: Stages whose buffers :attr:`Communicator.peak_buffer_bytes` leaves out: the gradient
+#: all-reduce belongs to data-parallel training itself, not to the second-order method.
+UNCOUNTED_STAGES = ("grad_allreduce",)
+
+
 class Communicator:
     """Collectives with bucketing, packing, wire dtype and a ledger, over a transport.
 
@@ -186,7 +191,9 @@ class Communicator:
     Attributes:
         ledger: The :class:`~core.distributed.ledger.Ledger` of this rank.
         peak_buffer_bytes: Most bytes of flat buffers alive at once so far (copies made for
-            the wire; a tensor sent through a view of itself costs nothing).
+            the wire; a tensor sent through a view of itself costs nothing), the second-order
+            method's: not those of the gradient all-reduce, which plain data-parallel training
+            holds as well (:data:`UNCOUNTED_STAGES`).
     """
 
     def __init__(self, transport: Transport, *, bucket_cap_mb: float = 25.0,
@@ -245,11 +252,14 @@ class Communicator:
         return full + ([last] if last else [])
 
     def _pending(self, works: list[Work], payloads: Sequence[_Payload],
-                 finish: Callable[[], None], extra: Sequence[Tensor] = ()) -> Pending:
+                 finish: Callable[[], None], stage: str, extra: Sequence[Tensor] = ()
+                 ) -> Pending:
         """Wrap started work, counting its own flat buffers (not views of the caller's tensors)
-        towards :attr:`peak_buffer_bytes` until it is waited on."""
+        towards :attr:`peak_buffer_bytes` until it is waited on, except those of the training
+        loop's gradient all-reduce (:data:`UNCOUNTED_STAGES`)."""
         buffers = [p.flat for p in payloads if not p.borrowed] + list(extra)
-        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        nbytes = 0 if stage in UNCOUNTED_STAGES else sum(
+            b.numel() * b.element_size() for b in buffers)
         self._live_bytes += nbytes
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._live_bytes)
 
@@ -355,7 +365,7 @@ class Communicator:
                 if src != self.rank or payload.rounded:
                     payload.unpack()
 
-        return self._pending(works, payloads, finish)
+        return self._pending(works, payloads, finish, stage)
 
     # Uneven reduce-scatter and all-gather ----------------------------------------------------
     def _segments(self, segments: Sequence[Sequence[Tensor]], members: Group,
@@ -395,7 +405,7 @@ class Communicator:
             payloads[mine].flat = output
             payloads[mine].unpack()
 
-        self._pending(works, payloads, finish, extra=[output]).wait()
+        self._pending(works, payloads, finish, stage, extra=[output]).wait()
 
     def all_gather_v(self, segments: Sequence[Sequence[Tensor]], *, stage: str,
                      group: Sequence[int] | None = None, dtype: torch.dtype | None = None
@@ -422,7 +432,7 @@ class Communicator:
                 if i != mine or payload.rounded:
                     payload.unpack()
 
-        self._pending(works, payloads, finish).wait()
+        self._pending(works, payloads, finish, stage).wait()
 
 
 class AllReduceStream:
@@ -469,7 +479,8 @@ class AllReduceStream:
             for payload in payloads:
                 payload.unpack()
 
-        return self._communicator._pending(self._works, payloads, finish)
+        return self._communicator._pending(self._works, payloads, finish,
+                                           self._options["stage"])
 
 
 def average_gradients(parameters: Iterable[HasGrad], communicator: Communicator, *,

@@ -59,11 +59,15 @@ def test_broadcast_sender_keeps_rounded_values_so_ranks_agree() -> None:
 def test_bucketing_splits_at_the_cap_and_keeps_order() -> None:
     comm = Communicator.simulated(0, 2, bucket_cap_mb=100 / 2**20)  # 100 bytes
     tensors = [torch.full((10,), float(i)) for i in range(5)]  # 40 bytes each
-    comm.all_reduce_many(tensors, stage="grad_allreduce")
+    comm.all_reduce_many(tensors, stage="factor_comm")
     assert [e.elements for e in comm.ledger.entries] == [20, 20, 10]
     assert all(torch.equal(t, torch.full((10,), float(i))) for i, t in enumerate(tensors))
     # Two concatenated buckets are copies; the last, single tensor travels as a view.
     assert comm.peak_buffer_bytes == 160
+    # The gradient all-reduce's buffers are data-parallel training's, not the method's.
+    plain = Communicator.simulated(0, 2, bucket_cap_mb=100 / 2**20)
+    plain.all_reduce_many(tensors, stage="grad_allreduce")
+    assert plain.peak_buffer_bytes == 0 and len(plain.ledger.entries) == 3
 
 
 def test_uneven_reduce_scatter_and_all_gather_record_totals_and_own_share() -> None:

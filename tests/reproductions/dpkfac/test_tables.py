@@ -32,6 +32,17 @@ def test_quick_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     ratios = by_id["D1-D3"]
     assert len(ratios.rows) == 3 * (len(SCHEMES) - 1)
     assert all(row[4] > 1 for row in ratios.rows)  # DP-KFAC wins every metric at P = 8
+    # "Closer to a measurement" communication: all traffic, factors whole (D1's "all, max"),
+    # as the paper's code sends them; memory: D2's K-FAC totals without the gradient
+    # all-reduce's buffers, which SGD holds too.
+    d2 = {row[1]: dict(zip(by_id["D2"].columns, row, strict=True)) for row in by_id["D2"].rows}
+    for row in ratios.rows:
+        if row[2] == "communication":
+            assert row[5] == pytest.approx(rows[row[1]]["ours: all, max (MB)"]
+                                           / rows["DP-KFAC"]["ours: all, max (MB)"])
+        if row[2] == "memory":
+            assert row[4] == pytest.approx(d2[row[1]]["ours: K-FAC total (MB)"]
+                                           / d2["DP-KFAC"]["ours: K-FAC total (MB)"])
     d4 = by_id["D4"]
     for row in d4.rows:
         assert row[-1] == pytest.approx(sum(row[3:-1]))
