@@ -139,7 +139,8 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
 
 
 def require_same_config(saved: dict[str, Any] | None, config: dict[str, Any],
-                        directory: Path, *, fix: str, ignore: tuple[str, ...] = ()) -> None:
+                        directory: Path, *, fix: str, ignore: tuple[str, ...] = (),
+                        together: bool = True) -> None:
     """Refuse to continue from a checkpoint that a run of other settings saved.
 
     Resuming it under ``config`` would train on with the old settings (or mix the two) and label
@@ -152,6 +153,8 @@ def require_same_config(saved: dict[str, Any] | None, config: dict[str, Any],
         directory: Where the checkpoint was found (named in the error).
         fix: What the user can do instead, ending the error message.
         ignore: Keys that may differ (when to stop, not what to train).
+        together: Every rank of a distributed run makes this same check at this point (it
+            then waits for the others before refusing); False where only some may.
 
     Raises:
         CheckpointError: naming up to five settings that differ, with both values.
@@ -164,6 +167,10 @@ def require_same_config(saved: dict[str, Any] | None, config: dict[str, Any],
                     if k not in ignore and saved.get(k) != now.get(k))
     if differ:
         shown = "; ".join(f"{k}: {saved.get(k)!r} saved, {now.get(k)!r} now" for k in differ[:5])
+        if together and dist.is_available() and dist.is_initialized():
+            # Every rank compares the same settings and refuses alike: they leave together, so
+            # none tears its group down while another's gloo threads still run (an abort).
+            dist.barrier()
         raise CheckpointError(f"the checkpoint in {directory} was saved by a run with other "
                               f"settings ({shown}); {fix}")
 

@@ -341,7 +341,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     run_config = {**cfg.to_dict(), "optimizer": name}
     if args.resume and results_path.exists():
         done = load_results(results_path)
-        require_same_config(done["config"], run_config, here, **RESUME_CHECK)
+        require_same_config(done["config"], run_config, here, together=False, **RESUME_CHECK)
         if done["finished"] and done["steps"] and done["steps"][-1]["step"] == cfg.steps - 1:
             return done
     if not args.resume and ctx.is_main:
