@@ -70,6 +70,10 @@ SCHEMES: tuple[Scheme, ...] = (
     Scheme("MPD-KFAC", "mpd-kfac", {"assignment": "round-robin"},
            "lzhangbv/kfac_pytorch `inverse`: layer l inverted on rank l mod P, which broadcasts "
            "its preconditioned gradient"),
+    Scheme("MPD-KFAC (eigen)", "comm-opt", {"assignment": "round-robin",
+                                            "colocate_factors": False},
+           "lzhangbv/kfac_pytorch `eigen`: factor j (a layer's A, then its G) decomposed on rank "
+           "j mod P, which broadcasts its eigenbasis and eigenvalues to every worker"),
     Scheme("KAISA COMM-OPT", "comm-opt", {},
            "KAISA f = 1: greedy n³ placement, eigen state broadcast to all"),
     Scheme("KAISA HYBRID-OPT", "hybrid-opt", {"grad_worker_fraction": HYBRID_FRACTION},
