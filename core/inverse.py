@@ -552,24 +552,3 @@ def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
 def kl_product(p: Tensor, grad: Tensor) -> Tensor:
     """One layer's ``Σ (P ⊙ ∇W̄)`` in ``P``'s dtype, as a 0-d tensor (no host sync)."""
     return torch.dot(p.reshape(-1), grad.to(p.dtype).reshape(-1))
-
-
-def kl_clip_factor(grads: dict[str, Tensor | None], preconditioned: dict[str, Tensor],
-                   lr: float, kl_clip: float, products: dict[str, Tensor] | None = None
-                   ) -> float:
-    """``ν`` over all preconditioned layers (weights and biases): ``Σ (P ⊙ ∇W̄)``, then
-    :func:`kl_clip_scale`.
-
-    ``grads`` holds the raw gradient matrix of every name in ``preconditioned``, in model order.
-    The sum follows that order, not ``preconditioned``'s insertion order: ranks that received
-    some ``P`` from others (distributed strategies) must add in the same order, or their
-    replicas drift apart in the last bits. ``products`` may hold layers' :func:`kl_product`
-    computed earlier (while ``P`` was still in cache); the others are computed here.
-    """
-    products = products or {}
-    total = torch.stack([
-        products[name] if name in products
-        else kl_product(preconditioned[name], grad)  # type: ignore[arg-type]
-        for name, grad in grads.items() if name in preconditioned
-    ]).sum()
-    return kl_clip_scale(float(total), lr, kl_clip)

@@ -81,12 +81,19 @@ class LayerHelper:
     Attributes:
         input_dims: The fewest and the most dimensions (None: any) of an input the rows are
             built from.
+        has_bias: Whether the module's bias is trained, decided when the helper is built: it
+            becomes the last column of ``W̄`` (a bias frozen then is left out, so the weight's
+            curvature has no column for it). The factors' shapes follow from it, so a bias
+            frozen later keeps its column but is never written a gradient, and one unfrozen
+            later is left first-order.
     """
 
     input_dims: tuple[int, int | None] = (2, None)
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        bias = getattr(module, "bias", None)
+        self.has_bias = bias is not None and bias.requires_grad
 
     def input_problem(self, x: Tensor) -> str | None:
         """What is wrong with a captured input's shape for this layer type, or None."""
@@ -98,14 +105,6 @@ class LayerHelper:
         return (f"{type(self.module).__name__} got a {x.dim()}-D input of shape "
                 f"{tuple(x.shape)}; its curvature needs {wanted} dimensions, the first the "
                 "batch (add one, or skip the layer with skip_layers)")
-
-    @property
-    def has_bias(self) -> bool:
-        """Whether the module has a trained bias (it becomes the last column of ``W̄``; a frozen
-        one is left out, so it keeps no gradient and the weight's curvature has no column
-        for it)."""
-        bias = getattr(self.module, "bias", None)
-        return bias is not None and bias.requires_grad
 
     @property
     def weight(self) -> Tensor:
@@ -197,6 +196,8 @@ class LayerHelper:
         they are, when they are contiguous and of ``matrix``'s dtype (``matrix`` may then be a
         view of the weight's own gradient); otherwise through :meth:`set_grad`."""
         weight, bias = self.weight, self.module.bias if self.has_bias else None
+        if bias is not None and not bias.requires_grad:  # frozen since: never written
+            bias = None
         in_place = [weight.grad] + ([] if bias is None else [bias.grad])
         if not all(g is not None and g.is_contiguous() and g.dtype == matrix.dtype
                    for g in in_place):
@@ -218,7 +219,10 @@ class LayerHelper:
 
 def _write_grad(param: Tensor, value: Tensor, scale: Tensor | float | None) -> None:
     """``param.grad = value · scale`` (contiguous), written into the current ``.grad`` when it
-    has the right shape and dtype and does not share memory with ``value``."""
+    has the right shape and dtype and does not share memory with ``value``; nothing for a
+    frozen parameter."""
+    if not param.requires_grad:
+        return
     value = value.reshape(param.shape)
     grad = param.grad
     if (grad is not None and grad.shape == param.shape and grad.dtype == param.dtype

@@ -25,7 +25,7 @@ from core.config import (
     update_due,
 )
 from core.hyper import value_at
-from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_factor, kl_product
+from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_scale, kl_product
 from core.kfac_layer import KFACLayer
 from core.layer_base import check_saved_layers, finite_gradients
 from core.layers import helper_for
@@ -352,14 +352,13 @@ class KFACPreconditioner:
             products = {name: given[name] if name in given
                         else kl_product(preconditioned[name], grad)  # type: ignore[arg-type]
                         for name, grad in grads.items() if name in preconditioned}
-        self._leave_nonfinite_first_order(preconditioned, products)
+        total = self._leave_nonfinite_first_order(preconditioned, products)
         if not preconditioned:
             self.last_kl_scale = 1.0
             return
         scale = 1.0
         if self.config.kl_clip is not None:
-            scale = kl_clip_factor(grads, preconditioned, self._hyper("lr", 0.0),
-                                   self._hyper("kl_clip", 0.0), products)
+            scale = kl_clip_scale(total, self._hyper("lr", 0.0), self._hyper("kl_clip", 0.0))
         self.last_kl_scale = scale
         for layer in self.layers:
             p = preconditioned.get(layer.name)
@@ -367,31 +366,38 @@ class KFACPreconditioner:
                 layer.helper.set_grad(p, scale if scale != 1.0 else None)
 
     def _leave_nonfinite_first_order(self, preconditioned: dict[str, Tensor],
-                                     products: dict[str, Tensor] | None) -> None:
+                                     products: dict[str, Tensor] | None) -> float:
         """Drop from ``preconditioned`` (and ``products``) every layer whose ``P`` is not
         finite, so its raw gradient stays, with a warning and a count
-        (``nonfinite_preconditioned``).
+        (``nonfinite_preconditioned``); return the sum of the kept layers' KL products (0
+        without them).
 
         ``P`` comes from finite gradients (checked at the start of the step) and a state that
         was finite when it was computed, yet can overflow: an inverse of order ``1/λ`` from a
         tiny damping, or a state kept in ``inverse_dtype`` when it was too large for the
         narrower one. With the KL clip its products are the test (a non-finite ``P`` makes
         ``Σ P ⊙ ∇W̄`` non-finite; an overflowing product, which the clip could not scale,
-        counts too), at no cost; without it, one summation per ``P``. Every rank holds the
-        same ``P`` and decides alike.
+        counts too), read in the one host transfer that also brings the clip its sum; without
+        it, one summation per ``P`` and a transfer of their finiteness. Every rank holds the
+        same ``P`` and decides alike, and the sum follows model order (``products``' order),
+        so ranks that received ``P`` from others add alike too.
         """
         if not preconditioned:
-            return
-        names = list(preconditioned)
+            return 0.0
+        names = list(preconditioned if products is None else products)  # products: model order
         if products is not None:
-            finite = torch.stack([products[name] for name in names]).isfinite().tolist()
+            stacked = torch.stack([products[name] for name in names])
+            read = torch.cat([stacked.isfinite().to(stacked.dtype), stacked.sum().reshape(1)])
+            *flags, total = read.tolist()
+            finite = [bool(flag) for flag in flags]
         else:
+            total = 0.0
             finite = torch.stack([p.sum() for p in preconditioned.values()]).isfinite().tolist()
             finite = [ok or all_finite([preconditioned[name]])  # a finite P's sum may overflow
                       for name, ok in zip(names, finite, strict=True)]
         bad = [name for name, ok in zip(names, finite, strict=True) if not ok]
         if not bad:
-            return
+            return total
         for name in bad:
             del preconditioned[name]
             if products is not None:
@@ -400,6 +406,9 @@ class KFACPreconditioner:
         warnings.warn(f"non-finite preconditioned gradient in {', '.join(bad)}; left "
                       f"first-order this step ({self.nonfinite_preconditioned} layer-steps so "
                       "far): raise the damping, or check the factors", stacklevel=3)
+        if not products:
+            return 0.0
+        return float(torch.stack(list(products.values())).sum())
 
     def _end_step(self) -> None:
         self._backward_reduction = None

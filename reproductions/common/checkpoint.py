@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reproductions.common.results import finite_or_none
 from reproductions.common.scrub import scrub_secrets
 
 _NAME = re.compile(r"^checkpoint-(\d{9,})\.pt$")
@@ -145,7 +146,7 @@ def require_same_config(saved: dict[str, Any] | None, config: dict[str, Any],
 
     Resuming it under ``config`` would train on with the old settings (or mix the two) and label
     the result with the new ones. Both are compared as the results file records them (secrets
-    redacted, tuples as lists).
+    redacted, infinities as null, tuples as lists).
 
     Args:
         saved: The configuration the checkpoint's run recorded (None: not recorded, accepted).
@@ -161,8 +162,8 @@ def require_same_config(saved: dict[str, Any] | None, config: dict[str, Any],
     """
     if saved is None:
         return
-    now = json.loads(json.dumps(scrub_secrets(dict(config)), default=str))
-    saved = json.loads(json.dumps(saved, default=str))
+    now = json.loads(json.dumps(finite_or_none(scrub_secrets(dict(config))), default=str))
+    saved = json.loads(json.dumps(finite_or_none(saved), default=str))
     differ = sorted(k for k in saved.keys() | now.keys()
                     if k not in ignore and saved.get(k) != now.get(k))
     if differ:

@@ -144,8 +144,15 @@ def finished() -> None:
 
 
 def cleanup() -> None:
-    """Leave the process group, if this process joined one (call at the end of a run)."""
+    """Leave the process group, if this process joined one (call at the end of a run).
+
+    Objects that hold groups or their work (a strategy's subgroups, DDP's reducer, the frames
+    of an exception caught on the way out) are collected first, while the groups still exist:
+    left to the interpreter's exit, their destructors met torn-down groups and the process
+    aborted ("terminate called without an active exception").
+    """
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -125,14 +125,14 @@ def _json_number(value: Any) -> Any:
     return value
 
 
-def _finite_or_none(value: Any) -> Any:
+def finite_or_none(value: Any) -> Any:
     """``value`` with every NaN or infinity inside it (in objects and lists too) as None."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
+        return {k: finite_or_none(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
+        return [finite_or_none(v) for v in value]
     return value
 
 
@@ -275,7 +275,8 @@ class RunRecorder:
         paper: The reproduction (``"mkor"``, ``"osawa2018"``, ``"dpkfac"``).
         experiment: The experiment or config name (``"default"``, ``"bert_large_phase2"``).
         optimizer: The optimizer's name as the run was launched with.
-        config: The run's full configuration; secret-named entries are redacted.
+        config: The run's full configuration; secret-named entries are redacted, and
+            infinities (``threshold=-inf``: never switch) recorded as null, as JSON has none.
         world_size: Processes in the run (for ``hardware``).
         device: The run's device (for ``hardware.cuda``).
 
@@ -287,7 +288,8 @@ class RunRecorder:
                  world_size: int = 1, device: torch.device | str | None = None) -> None:
         self.data: dict[str, Any] = {
             "schema": SCHEMA, "paper": paper, "experiment": experiment, "optimizer": optimizer,
-            "config": scrub_secrets(dict(config)), "git_revision": git_revision(),
+            "config": finite_or_none(scrub_secrets(dict(config))),
+            "git_revision": git_revision(),
             "hardware": hardware_info(world_size, device), "started": utc_now(),
             "finished": None, "steps": [], "evals": [], "optimizer_stage_time_s": {},
             "ledger": None, "memory": {}, "summary": {}, "wandb": None,
@@ -336,7 +338,7 @@ class RunRecorder:
             if key not in _UPDATABLE:
                 raise KeyError(f"{key!r} is not an updatable results field; choose among "
                                + ", ".join(_UPDATABLE))
-            self.data[key] = _finite_or_none(scrub_secrets(value, by_name=key == "config"))
+            self.data[key] = finite_or_none(scrub_secrets(value, by_name=key == "config"))
 
     def finish(self) -> None:
         """Stamp the ``finished`` time (a file without it is an interrupted run)."""

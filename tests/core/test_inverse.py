@@ -21,9 +21,7 @@ from core.inverse import (
     damped_inverse,
     eigen_decompose,
     inverse_in_place,
-    kl_clip_factor,
     kl_clip_scale,
-    kl_product,
     pi_split,
 )
 from tests.core.reference import dense_eigen_precondition, dense_inverse_precondition
@@ -104,22 +102,6 @@ def test_kl_clip_matches_formula() -> None:
     for name in raw:
         torch.testing.assert_close(clipped[name], nu * unclipped[name])
     assert kl_clip_scale(0.0, lr, kappa) == 1.0
-
-
-def test_kl_clip_factor_takes_the_products_it_is_given() -> None:
-    torch.manual_seed(4)
-    grads = {n: torch.randn(3, 4, dtype=torch.float64) for n in ("first", "second")}
-    preconditioned = {n: torch.randn(3, 4, dtype=torch.float64) for n in grads}
-    lr, kappa = 0.5, 1e-3
-    fresh = kl_clip_factor(grads, preconditioned, lr, kappa)
-    exact = sum(float((preconditioned[n] * grads[n]).sum()) for n in grads)
-    assert fresh == pytest.approx(kl_clip_scale(exact, lr, kappa))
-    early = {"first": kl_product(preconditioned["first"], grads["first"])}
-    assert kl_clip_factor(grads, preconditioned, lr, kappa, early) == fresh
-    # a product given is used as given (not recomputed from P)
-    moved = {"first": early["first"] + 100.0}
-    assert kl_clip_factor(grads, preconditioned, lr, kappa, moved) == pytest.approx(
-        kl_clip_scale(exact + 100.0, lr, kappa))
 
 
 def test_bias_is_written_back_as_last_column() -> None:

@@ -80,3 +80,25 @@ def test_one_idle_batchnorm_leaves_the_others_preconditioned() -> None:
     precond.step()
     assert precond.last_preconditioned == 1
     assert precond.blocks[0].inverse is not None and precond.blocks[1].inverse is None
+
+
+@pytest.mark.parametrize("make", [KFACPreconditioner, MKORPreconditioner, EvaPreconditioner])
+@pytest.mark.parametrize("frozen_first", [False, True])
+def test_freezing_or_unfreezing_a_bias_later_keeps_training(make: type,
+                                                           frozen_first: bool) -> None:
+    """The curvature's bias column is decided when the preconditioner is built: a bias frozen
+    later keeps its column but is written no gradient; one unfrozen later stays first-order."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    layer.bias.requires_grad_(not frozen_first)
+    precond = make(layer)
+    x = torch.randn(8, 4)
+    for step in range(3):
+        if step == 1:
+            layer.bias.requires_grad_(frozen_first)  # toggled mid-training
+        layer.zero_grad(set_to_none=True)
+        layer(x).pow(2).mean().backward()
+        precond.step()
+        assert bool(layer.weight.grad.isfinite().all())
+        if not layer.bias.requires_grad:
+            assert layer.bias.grad is None

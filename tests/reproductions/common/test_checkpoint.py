@@ -3,6 +3,7 @@ newest step every rank of a distributed run can load."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -155,6 +156,7 @@ def test_require_same_config_names_what_differs_and_accepts_the_rest(tmp_path: P
     same = {"lr": 0.1, "shape": (2, 3), "max_steps": 9, "token": "hf_secretsecretsecret"}
     require_same_config(saved, same, tmp_path, fix="f", ignore=("max_steps",))
     require_same_config(None, {"lr": 1.0}, tmp_path, fix="f")  # a checkpoint of no record
+    require_same_config({"threshold": None}, {"threshold": -math.inf}, tmp_path, fix="f")
     with pytest.raises(CheckpointError, match=r"saved by a run with other settings \(lr: 0.1 "
                                               r"saved, 0.2 now; max_steps: 5 saved, 9 now\); f$"):
         require_same_config(saved, {**same, "lr": 0.2}, tmp_path, fix="f")

@@ -95,6 +95,14 @@ def test_non_finite_values_anywhere_are_written_as_null_in_strict_json(tmp_path:
     assert data["memory"] == {"peak": None}
 
 
+def test_an_infinite_setting_in_the_config_is_recorded_as_null(tmp_path: Path) -> None:
+    """``threshold=-inf`` (MKOR-H: never switch) is a valid setting; strict JSON has no -inf."""
+    rec = RunRecorder(paper="mkor", experiment="tiny", optimizer="mkor-h",
+                      config={"preconditioner": {"mkor-h": {"threshold": -math.inf}}})
+    data = load_results(rec.write(tmp_path / "run.json"))
+    assert data["config"] == {"preconditioner": {"mkor-h": {"threshold": None}}}
+
+
 def test_recorder_rejects_bad_entries() -> None:
     rec = recorder()
     with pytest.raises(ResultsError, match="lacks 'time_s'"):
