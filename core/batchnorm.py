@@ -292,7 +292,8 @@ class BatchNormPreconditioner:
         of all of them and of who captured what); None for a layer no rank captured (one in
         ``eval()`` mode, or on a branch not taken). In one process, the batches as they are.
         """
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if (not self.blocks or not dist.is_available() or not dist.is_initialized()
+                or dist.get_world_size() == 1):
             return batches
         shapes = [block.batch_shape() for block in self.blocks]
         device = self.blocks[0].module.weight.device

@@ -49,3 +49,17 @@ def test_each_layer_averages_the_ranks_that_ran_it() -> None:
     for got in results:
         torch.testing.assert_close(got[0], (alone[0][0] + alone[1][0]) / 2)
         torch.testing.assert_close(got[1], alone[0][1])  # only rank 0 ran it
+
+
+def no_batchnorm_step(rank: int, world_size: int) -> int:
+    torch.set_num_threads(1)
+    net = nn.Sequential(nn.Linear(4, 3))
+    precond = BatchNormPreconditioner(net)
+    x, y = data(rank)
+    F.cross_entropy(net(x), y).backward()
+    precond.step()
+    return precond.last_preconditioned
+
+
+def test_a_model_without_batchnorm_steps_on_every_rank() -> None:
+    assert run_workers(no_batchnorm_step, 2) == [0, 0]
