@@ -25,6 +25,7 @@ from core.config import (
     check_choice,
     check_number,
 )
+from reproductions.osawa2018.mixup import MIN_ALPHA as MIN_MIXUP_ALPHA
 from reproductions.osawa2018.models import MODELS
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -107,7 +108,7 @@ class OsawaConfig:
             which a factor stays fp32 (None: every factor rounded), see ``core.KFACConfig``.
         assignment: Layer-to-rank policy: ``contiguous`` (chainerkfac's ``np.array_split`` of
             the layers in model order), ``greedy`` (cost-balanced) or ``round-robin``.
-        mixup_alpha: Beta parameter of running mixup; 0 disables mixup.
+        mixup_alpha: Beta parameter of running mixup, at least 0.01; 0 disables mixup.
         running_mixup: Mix with the previous *mixed* batch (else with the previous raw batch).
         erasing_rate: Probability of random erasing per example; 0 disables it.
         erasing_area: ``[low, high]`` erased fraction of the image area.
@@ -179,6 +180,10 @@ class OsawaConfig:
             check_number(name, getattr(self, name), low=0.0, low_inclusive=False, **_FINITE)
         for name in ("lr", "lr_decay_start_epoch", "lr_power", "weight_decay", "mixup_alpha"):
             check_number(name, getattr(self, name), low=0.0, **_FINITE)
+        if 0 < self.mixup_alpha < MIN_MIXUP_ALPHA:
+            raise ConfigError("mixup_alpha", self.mixup_alpha,
+                              f"0 (no mixup) or at least {MIN_MIXUP_ALPHA} (PyTorch's Beta "
+                              "sampler drifts to 1/2 below it)")
         check_number("lr_decay_end_epoch", self.lr_decay_end_epoch, low=self.lr_decay_start_epoch,
                      low_inclusive=False, **_FINITE)
         check_number("momentum", self.momentum, low=0.0, high=1.0, high_inclusive=False)

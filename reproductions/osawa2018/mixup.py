@@ -32,18 +32,23 @@ from torch import Tensor
 
 from core.config import check_number
 
+#: The smallest ``α`` whose draws are trusted: below about 0.01 PyTorch's Beta sampler drifts
+#: to ``λ = 1/2`` (the mean of ``max(λ, 1 − λ)`` is 0.88 at 10⁻³ and 0.5 at 10⁻⁸, where it
+#: should approach 1), and below float32's range the distribution cannot be built.
+MIN_ALPHA = 0.01
+
 
 class RunningMixup:
     """Mixes each batch with the previous one (see the module docstring).
 
     Args:
-        alpha: Beta distribution parameter ``α`` > 0.
+        alpha: Beta distribution parameter ``α`` >= :data:`MIN_ALPHA`.
         num_classes: Number of classes, for the one-hot targets.
         running: Remember the mixed batch (True, chainerkfac's ``running_mixup``) or the raw one.
     """
 
     def __init__(self, alpha: float, num_classes: int, running: bool = True) -> None:
-        check_number("mixup_alpha", alpha, low=0.0, low_inclusive=False)
+        check_number("mixup_alpha", alpha, low=MIN_ALPHA)
         self.beta = torch.distributions.Beta(torch.tensor(float(alpha)),
                                              torch.tensor(float(alpha)))
         self.num_classes = num_classes

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from core.config import ConfigError
+from reproductions.osawa2018.config import load_config
 from reproductions.osawa2018.erasing import RandomErasing
 from reproductions.osawa2018.mixup import RunningMixup
 from reproductions.osawa2018.models import build_model, small_resnet
@@ -160,3 +161,14 @@ def test_models_have_the_expected_layers() -> None:
     assert counts == [53, 53, 1]
     with pytest.raises(ValueError, match="3-channel"):
         build_model("resnet50", num_classes=10, in_channels=1)
+
+
+@pytest.mark.parametrize("alpha", [5e-79, 1e-3])
+def test_a_mixup_alpha_below_what_the_sampler_supports_is_refused(alpha: float) -> None:
+    """PyTorch's Beta sampler drifts to λ = 1/2 below α ≈ 0.01 (mixing everything half and
+    half where it should mix nothing): such an α is refused, naming the field."""
+    with pytest.raises(ConfigError, match="mixup_alpha"):
+        RunningMixup(alpha=alpha, num_classes=3)
+    with pytest.raises(ConfigError, match=r"mixup_alpha.*0 \(no mixup\) or at least 0.01"):
+        load_config("fmnist_default", {"mixup_alpha": alpha})
+    assert load_config("fmnist_default", {"mixup_alpha": 0}).mixup_alpha == 0
