@@ -14,7 +14,6 @@ averaged by ``core.distributed.average_gradients`` (ledger stage ``grad_allreduc
 from __future__ import annotations
 
 import argparse
-import gc
 import gzip
 import os
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from core import KFACPreconditioner
 from core.config import STRATEGIES
 from core.distributed import average_gradients
+from reproductions.common.launch import cleanup, finished
 
 
 def setup() -> torch.device:
@@ -171,13 +171,8 @@ def main() -> None:
     data = load_data(args.data, args.data_dir, args.examples)
     for strategy in (STRATEGIES if args.strategy == "all" else (args.strategy,)):
         train(strategy, args, data, device)
-    if dist.is_initialized():
-        # Every rank done with every group (and the models' DDP reducers gone) before the
-        # groups are torn down: a rank leaving while another's gloo threads still ran aborted
-        # its process at exit ("terminate called without an active exception").
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    finished()  # every rank done with every group before they are torn down
+    cleanup()
 
 
 if __name__ == "__main__":

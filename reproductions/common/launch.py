@@ -139,7 +139,6 @@ def finished() -> None:
     still run (a rank could abort at exit: "terminate called without an active exception").
     Not for error paths: a rank that failed would never arrive."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gc.collect()  # the models' DDP reducers and the preconditioners' handles first
         dist.barrier()
 
 
