@@ -42,37 +42,26 @@ from torch import Tensor
 from core.config import check_schedulable
 from core.hyper import Schedulable
 from core.inverse import kl_clip_scale
-from core.layer_base import cloned, nbytes, restored, squared_norm
+from core.layer_base import cloned, finite_gradients, nbytes, restored, sum_of_squares
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 from core.timing import traced
 
 
-def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float,
-                     norm_product: Tensor | None = None) -> Tensor:
-    """``(ā āᵀ ⊗ ḡ ḡᵀ + λI)⁻¹ vec ∇W̄`` as a ``(g_dim, a_dim)`` matrix, by Sherman–Morrison.
-
-    One matrix-vector product and one ``addr`` pass read ``∇W̄``; the rest is vector work.
+def eva_precondition(grad: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
+    """``(ā āᵀ ⊗ ḡ ḡᵀ + λI)⁻¹ vec ∇W̄`` as a ``(g_dim, a_dim)`` matrix, by Sherman–Morrison:
+    ``P = (∇W̄ − c·ḡ āᵀ) / λ`` with ``c = ḡᵀ ∇W̄ ā / (‖ā‖² ‖ḡ‖² + λ)``. The formula on its own;
+    the preconditioner computes the same in two passes over each gradient
+    (:meth:`EvaLayer.closed_form_sums`, then one rank-1 update written into ``.grad``).
 
     Args:
         grad: ``∇W̄``, ``(g_dim, a_dim)``.
         a: ``ā``, ``(a_dim,)``.
         g: ``ḡ``, ``(g_dim,)``.
         damping: ``λ`` > 0.
-        norm_product: ``‖ā‖² ‖ḡ‖²`` if already known (it changes only when the vectors do).
     """
-    _, coeff = eva_coefficient(grad, a, g, damping, norm_product)
+    coeff = torch.dot(g, torch.mv(grad, a)) / ((a @ a) * (g @ g) + damping)
     return torch.addr(grad, g * coeff, a, beta=1.0 / damping, alpha=-1.0 / damping)
-
-
-def eva_coefficient(grad: Tensor, a: Tensor, g: Tensor, damping: float,
-                    norm_product: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``s = ḡᵀ ∇W̄ ā`` and the Sherman–Morrison coefficient ``c = s / (‖ā‖² ‖ḡ‖² + λ)``, so
-    that ``P = (∇W̄ − c·ḡ āᵀ) / λ`` and ``Σ P ⊙ ∇W̄ = (‖∇W̄‖² − c·s) / λ``."""
-    if norm_product is None:
-        norm_product = (a @ a) * (g @ g)
-    s = torch.dot(g, torch.mv(grad, a))
-    return s, s / (norm_product + damping)
 
 
 @dataclass(kw_only=True)
@@ -125,22 +114,30 @@ class EvaLayer(Rank1Layer):
         a, g = self.a.value, self.g.value
         self.norm_product = None if a is None or g is None else (a @ a) * (g @ g)
 
-    @traced("eva_precondition")
-    def precondition_into_grad(self, grad: Tensor, damping: float, *, kl_term: bool
-                               ) -> Tensor | None:
-        """Write Eva's ``P`` of ``grad`` into the layer's ``.grad`` without forming it (one
-        pass; ``grad`` may be a view of the weight's gradient). Returns ``Σ P ⊙ ∇W̄`` in closed
-        form if ``kl_term`` (a read of ``grad`` instead of a second product with ``P``), else
-        a zero; None, writing nothing, before the first update."""
+    @traced("eva_sums")
+    def closed_form_sums(self, parts: tuple[Tensor, Tensor | None],
+                         squared_norm: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``s = ḡᵀ ∇W̄ ā``, ``‖∇W̄‖²`` and ``‖ā‖² ‖ḡ‖²`` as 0-d tensors, from
+        ``parts = (∇W, ∇b)`` without joining them (one matrix-vector product reads ``∇W``;
+        ``‖∇W̄‖²`` too unless given: the step's finiteness check takes it); None before the
+        first update.
+
+        With them the step needs no further read of the gradient before writing it:
+        ``P = (∇W̄ − c·ḡ āᵀ) / λ`` with ``c = s / (‖ā‖² ‖ḡ‖² + λ)``, and the KL clip's
+        ``Σ P ⊙ ∇W̄ = (‖∇W̄‖² − c·s) / λ``.
+        """
         a, g = self.a.value, self.g.value
-        if a is None or g is None:
+        if a is None or g is None or self.norm_product is None:
             return None
-        s, coeff = eva_coefficient(grad, a, g, damping, self.norm_product)
-        term = ((squared_norm(grad) - coeff * s) / damping if kl_term
-                else s.new_zeros(()))
-        self.helper.set_grad_plus_outer(grad, g * coeff, a, beta=1.0 / damping,
-                                        alpha=-1.0 / damping)
-        return term
+        weight, bias = parts
+        w_cols = weight.shape[1]
+        y = torch.mv(weight, a[:w_cols])
+        if bias is not None:
+            y.addcmul_(bias, a[w_cols:])
+        if squared_norm is None:
+            squared_norm = sum_of_squares([t for t in parts if t is not None])
+        return torch.dot(g, y), squared_norm, self.norm_product
 
     def memory_usage(self) -> dict[str, int]:
         return {"vectors": nbytes(self.a.value, self.g.value)}
@@ -181,8 +178,8 @@ class EvaPreconditioner(Rank1Preconditioner):
     config: EvaConfig
     layers: list[EvaLayer]
     last_kl_scale: float = 1.0
-    #: ``Σ P ⊙ ∇W̄`` of each layer written in this step, for :meth:`_scale`.
-    _kl_terms: list[Tensor]
+    #: ``‖∇W̄‖²`` of each layer with a gradient this step, from :meth:`_gradients`.
+    _squared_norms: dict[str, Tensor]
 
     def _make_layer(self, name: str, helper: LayerHelper) -> EvaLayer:
         return EvaLayer(name, helper, dtype=self.dtype, grad_multiplier=self._grad_multiplier)
@@ -193,34 +190,49 @@ class EvaPreconditioner(Rank1Preconditioner):
     def _update_layer(self, layer: EvaLayer, a: Tensor, g: Tensor) -> None:
         layer.update(a, g, self._hyper("factor_decay", low=0.0, high=1.0, high_inclusive=False))
 
-    def _precondition(self, grads: list[tuple[EvaLayer, Tensor]]) -> list[EvaLayer]:
-        """Write each layer's ``P`` into ``.grad``, and keep ``Σ P ⊙ ∇W̄`` of each for the KL
-        clip."""
-        damping = self._damping()
-        clipping = self.config.kl_clip is not None
-        written = []
-        self._kl_terms = []
-        for layer, grad in grads:
-            term = layer.precondition_into_grad(grad, damping, kl_term=clipping)
-            if term is None:
-                continue
-            if clipping:
-                self._kl_terms.append(term)
-            written.append(layer)
-        return written
+    def _gradients(self) -> dict[str, Any] | None:
+        """Weight and bias gradients apart (views, no copy: Eva reads and writes them in
+        place), their squared norms kept from the finiteness check for the KL clip."""
+        self._squared_norms = {}
+        return finite_gradients(self.layers, parts=True, squared_norms=self._squared_norms)
 
-    def _scale(self, written: list[EvaLayer]) -> None:
-        """KL-clip all written layers together: one scale from ``Σ P ⊙ ∇W̄`` (summed in model
-        order, so every rank gets the same bits), multiplied into their ``.grad``."""
-        terms, self._kl_terms = self._kl_terms, []
+    def _precondition(self, grads: list[tuple[EvaLayer, Any]]) -> None:
+        """Write each layer's ``P``, KL-clipped, into ``.grad`` in two passes over the
+        gradients: first each layer's closed-form sums (:meth:`EvaLayer.closed_form_sums`: a
+        matrix-vector product, with the squared norm from the finiteness check), brought to
+        the host in one transfer for all layers, which gives every coefficient and the clip's
+        scale (summed in model order, so every rank gets the same bits); then one rank-1
+        update of each gradient in place, the scale folded in."""
+        damping = self._damping()
+        ready, sums = [], []
+        for layer, parts in grads:
+            parts = tuple(None if t is None else t.to(self.dtype) for t in parts)
+            norm: Tensor | None = self._squared_norms[layer.name]
+            if norm.dtype != self.dtype:  # a narrower gradient's: taken again in our dtype
+                norm = None
+            layer_sums = layer.closed_form_sums(parts, norm)
+            if layer_sums is not None:
+                ready.append((layer, parts))
+                sums.extend(layer_sums)
+        if not ready:
+            self.last_kl_scale = 1.0
+            return
+        values = torch.stack(sums).tolist()
+        coefficients, kl_sum = [], 0.0
+        for s, squared, norm_product in zip(values[0::3], values[1::3], values[2::3],
+                                            strict=True):
+            coefficient = s / (norm_product + damping)
+            coefficients.append(coefficient)
+            kl_sum += (squared - coefficient * s) / damping
         scale = 1.0
-        if terms:
-            scale = kl_clip_scale(float(torch.stack(terms).sum()), self._hyper("lr", low=0.0),
+        if self.config.kl_clip is not None:
+            scale = kl_clip_scale(kl_sum, self._hyper("lr", low=0.0),
                                   self._hyper("kl_clip", low=0.0, low_inclusive=False))
         self.last_kl_scale = scale
-        if scale != 1.0:
-            torch._foreach_mul_([t for layer in written for t in layer.helper.grad_tensors()],
-                                scale)
+        for (layer, parts), coefficient in zip(ready, coefficients, strict=True):
+            layer.helper.add_outer_to_grad(parts, layer.g.value, layer.a.value,
+                                           beta=scale / damping,
+                                           alpha=-scale * coefficient / damping)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, KL-clip scale and damping."""

@@ -22,6 +22,14 @@ def squared_norm(t: Tensor) -> Tensor:
     return torch.dot(flat, flat)
 
 
+def sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:
+    """``Σ ‖t‖²`` over one or more tensors, as a 0-d tensor (:func:`squared_norm` of each)."""
+    total = squared_norm(tensors[0])
+    for t in tensors[1:]:
+        total = total + squared_norm(t)
+    return total
+
+
 def restored(value: Tensor | None, device: torch.device, dtype: torch.dtype | None = None
              ) -> Tensor | None:
     """A copy of a saved tensor on ``device`` (in ``dtype`` if given), or None for None.
@@ -94,17 +102,31 @@ class PreconditionedLayer:
 
 
 def finite_gradients(layers: Sequence[PreconditionedLayer],
-                     settle: Callable[[], None] | None = None
-                     ) -> dict[str, Tensor | None] | None:
-    """The step's gradient matrices ``∇W̄`` by layer name (None where a layer has no gradient).
+                     settle: Callable[[], None] | None = None, *, parts: bool = False,
+                     squared_norms: dict[str, Tensor] | None = None
+                     ) -> dict[str, Any] | None:
+    """The step's gradients by layer name (None where a layer has no gradient): the matrices
+    ``∇W̄`` (:meth:`~core.layers.LayerHelper.grad_matrix`), or with ``parts`` the pairs
+    ``(∇W, ∇b)`` (:meth:`~core.layers.LayerHelper.grad_parts`: views of ``.grad``, no copy).
 
     None instead when any entry is not finite (an AMP overflow, or a diverged step); every
     layer's captures of the step are then discarded, so the statistics stay clean and the
     caller leaves the gradients raw. ``settle`` runs first: it completes what was already
-    started with them (collectives begun in the backward pass).
+    started with them (collectives begun in the backward pass). Given a ``squared_norms``
+    dict, each layer's ``‖∇W̄‖²`` is put in it and serves as the finiteness check's reduction
+    (the pass over the gradients that the check takes anyway).
     """
-    grads = {layer.name: layer.helper.grad_matrix() for layer in layers}
-    if all_finite([g for g in grads.values() if g is not None]):
+    helpers = {layer.name: layer.helper for layer in layers}
+    grads: dict[str, Any] = {name: helper.grad_parts() if parts else helper.grad_matrix()
+                             for name, helper in helpers.items()}
+    tensors = {name: [t for t in (entry if parts else (entry,)) if t is not None]
+               for name, entry in grads.items() if entry is not None}
+    reductions = None
+    if squared_norms is not None:
+        for name, present in tensors.items():
+            squared_norms[name] = sum_of_squares(present)
+        reductions = list(squared_norms.values())
+    if all_finite([t for present in tensors.values() for t in present], reductions):
         return grads
     if settle is not None:
         settle()

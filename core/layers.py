@@ -153,17 +153,26 @@ class LayerHelper:
         at a time (the whole gradient when its feature-major rows are a view of it)."""
         return (gy,)
 
+    def grad_parts(self) -> tuple[Tensor, Tensor | None] | None:
+        """``∇W`` as a ``(g_dim, a_dim − 1)`` matrix with a bias (``(g_dim, a_dim)`` without)
+        and ``∇b`` (None without a bias; zeros if it has no gradient), or None if the weight
+        has no gradient. Views of the ``.grad`` tensors where their layout allows (no copy)."""
+        grad = self.weight.grad
+        if grad is None:
+            return None
+        weight = grad.reshape(self.g_dim, -1)
+        if not self.has_bias:
+            return weight, None
+        bias = self.module.bias
+        return weight, torch.zeros_like(bias) if bias.grad is None else bias.grad  # type: ignore[union-attr]
+
     def grad_matrix(self) -> Tensor | None:
         """``∇W̄ = [∇W | ∇b]`` as a ``(g_dim, a_dim)`` matrix, or None if there is no gradient."""
-        if self.weight.grad is None:
+        parts = self.grad_parts()
+        if parts is None:
             return None
-        grad = self.weight.grad.reshape(self.g_dim, -1)
-        if self.has_bias:
-            bias_grad = self.module.bias.grad  # type: ignore[union-attr]
-            if bias_grad is None:
-                bias_grad = torch.zeros_like(self.module.bias)  # type: ignore[arg-type]
-            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
-        return grad
+        weight, bias = parts
+        return weight if bias is None else torch.cat([weight, bias.reshape(-1, 1)], dim=1)
 
     def grad_tensors(self) -> list[Tensor]:
         """The current ``.grad`` of the weight and (if any) the bias, those that exist."""
@@ -189,32 +198,40 @@ class LayerHelper:
         _write_grad(weight, matrix[:, :w_cols], scale)
         _write_grad(self.module.bias, matrix[:, w_cols], scale)  # type: ignore[arg-type]
 
-    def set_grad_plus_outer(self, matrix: Tensor, u: Tensor, v: Tensor, *, beta: float,
-                            alpha: float) -> None:
-        """Write ``beta·matrix + alpha·u vᵀ`` (``(g_dim, a_dim)``) into ``.grad`` of weight and
-        bias without forming it: one pass reading ``matrix`` and writing the gradients where
-        they are, when they are contiguous and of ``matrix``'s dtype (``matrix`` may then be a
-        view of the weight's own gradient); otherwise through :meth:`set_grad`."""
-        weight, bias = self.weight, self.module.bias if self.has_bias else None
-        if bias is not None and not bias.requires_grad:  # frozen since: never written
-            bias = None
-        in_place = [weight.grad] + ([] if bias is None else [bias.grad])
-        if not all(g is not None and g.is_contiguous() and g.dtype == matrix.dtype
-                   for g in in_place):
-            self.set_grad(torch.addr(matrix, u, v, beta=beta, alpha=alpha))
-            return
-        w_cols = weight[0].numel()
-        torch.addr(matrix[:, :w_cols], u, v[:w_cols], beta=beta, alpha=alpha,
-                   out=weight.grad.view(self.g_dim, w_cols))  # type: ignore[union-attr]
-        if bias is not None:
-            column = torch.addcmul(matrix[:, w_cols] * beta, u, v[w_cols:], value=alpha)
-            bias.grad.copy_(column.reshape(bias.shape))  # type: ignore[union-attr]
+    def add_outer_to_grad(self, parts: tuple[Tensor, Tensor | None], u: Tensor, v: Tensor, *,
+                          beta: float, alpha: float) -> None:
+        """Write ``β·[∇W | ∇b] + α·u vᵀ`` (``v`` of ``a_dim``) into ``.grad`` of weight and
+        bias, with ``parts = (∇W, ∇b)`` as :meth:`grad_parts` gives them or copies of them (in
+        another dtype, say): one pass in place where a part is the contiguous gradient itself,
+        else a fresh result written into ``.grad``. A bias frozen since the helper was built
+        is never written."""
+        weight_part, bias_part = parts
+        w_cols = weight_part.shape[1]
+        _add_outer_into(self.weight, weight_part, u, v[:w_cols], beta, alpha)
+        if bias_part is not None:
+            _add_outer_into(self.module.bias, bias_part.reshape(-1, 1), u,  # type: ignore[arg-type]
+                            v[w_cols:], beta, alpha)
 
     def _append_bias(self, rows: Tensor) -> Tensor:
         if not self.has_bias:
             return rows
         ones = rows.new_ones(*rows.shape[:-1], 1)
         return torch.cat([rows, ones], dim=-1)
+
+
+def _add_outer_into(param: Tensor, part: Tensor, u: Tensor, v: Tensor, beta: float,
+                    alpha: float) -> None:
+    """``param.grad = β·part + α·u vᵀ`` (in ``param``'s shape): in place when ``part`` is the
+    contiguous ``.grad`` itself, else through :func:`_write_grad`; nothing for a frozen
+    parameter."""
+    if not param.requires_grad:
+        return
+    grad = param.grad
+    if (grad is not None and part.dtype == grad.dtype and grad.is_contiguous()
+            and part.data_ptr() == grad.data_ptr() and part.numel() == grad.numel()):
+        part.addr_(u, v, beta=beta, alpha=alpha)
+    else:
+        _write_grad(param, torch.addr(part, u, v, beta=beta, alpha=alpha), None)
 
 
 def _write_grad(param: Tensor, value: Tensor, scale: Tensor | float | None) -> None:

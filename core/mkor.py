@@ -353,15 +353,15 @@ class MKORPreconditioner(Rank1Preconditioner):
         layer.update(a, g, gamma=self._stat_decay(), rule=cfg.update_rule,
                      epsilon=cfg.epsilon, zeta=cfg.zeta)
 
-    def _precondition(self, grads: list[tuple[MKORLayer, Tensor]]) -> list[MKORLayer]:
+    def _precondition(self, grads: list[tuple[MKORLayer, Tensor]]) -> None:
         """Write each layer's ``P``, rescaled to its gradient's norm, into ``.grad`` while ``P``
         and ``∇W̄`` are still in cache (:func:`gradient_norm_scale`; ``P`` is ours, so it is
         scaled in place or while being copied)."""
         for layer, grad in grads:
+            grad = grad.to(self.dtype)
             p = layer.precondition(grad)
             layer.helper.set_grad(p, gradient_norm_scale(p, grad) if self.config.rescale
                                   else None)
-        return [layer for layer, _ in grads]
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, stabiliser firings and update failures."""

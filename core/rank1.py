@@ -7,8 +7,8 @@ computes those vectors from captured tensors (through the per-layer-type helpers
 vectors, and runs the step as timed stages:
 
 capture (hooks) → statistics → all-reduce (``factor_comm``) → per-layer update (``inversion``)
-→ precondition and write back into ``.grad``, layer by layer → a scale across layers (Eva's
-KL clip).
+→ precondition and write back into ``.grad``, scaled (per layer for MKOR, across layers by
+Eva's KL clip).
 
 Subclasses (:class:`core.mkor.MKORPreconditioner`, :class:`core.eva.EvaPreconditioner`) supply the
 per-layer state, what an update does with the averaged vectors, how a gradient is preconditioned
@@ -180,7 +180,7 @@ class Rank1Preconditioner:
 
     Subclasses set :attr:`config_type`, :attr:`interval_field` (the config field giving the
     update interval) and implement :meth:`_make_layer`, :meth:`_update_layer`,
-    :meth:`_precondition` (and :meth:`_scale` when the scale spans layers).
+    :meth:`_precondition` (and :meth:`_gradients` for another form of the gradients).
 
     Args:
         model: The model (or its DDP wrapper). Gradients must already be averaged across ranks
@@ -267,7 +267,7 @@ class Rank1Preconditioner:
         and its captured statistics are dropped.
         """
         self.communicator.ledger.step = self.steps
-        grads = finite_gradients(self.layers)
+        grads = self._gradients()
         if grads is None:  # an AMP overflow: statistics dropped, gradients left raw
             self.skipped_overflow_steps += 1
             self._end_step()
@@ -280,11 +280,8 @@ class Rank1Preconditioner:
             with self.timer.stage("inversion"):
                 self._update_captured(vector)
         with self.timer.stage("precondition"):
-            written = self._precondition(
-                [(layer, grad.to(self.dtype)) for layer in self.layers
-                 if (grad := grads[layer.name]) is not None])
-        with self.timer.stage("scale"):
-            self._scale(written)
+            self._precondition([(layer, grad) for layer in self.layers
+                                if (grad := grads[layer.name]) is not None])
         self._end_step()
 
     def skip_step(self) -> None:
@@ -348,16 +345,18 @@ class Rank1Preconditioner:
         """Consume the rank-averaged vectors ``ā``, ``ḡ`` of ``layer`` on an update step."""
         raise NotImplementedError
 
-    def _precondition(self, grads: list[tuple[Any, Tensor]]) -> list[Any]:
-        """Precondition each ``(layer, ∇W̄)`` and write the result into the layer's ``.grad``,
-        each layer right after its product, while its matrices are still in cache (with the
-        method's per-layer scale, and whatever the step-wide scale needs of it). Returns the
-        layers written; the others keep their raw gradients."""
-        raise NotImplementedError
+    def _gradients(self) -> dict[str, Any] | None:
+        """This step's gradients by layer name in the form :meth:`_precondition` takes
+        (by default the matrices ``∇W̄``; None where a layer has none), or None if any entry
+        is not finite (the captured statistics are then dropped)."""
+        return finite_gradients(self.layers)
 
-    def _scale(self, written: list[Any]) -> None:
-        """Scale the written ``.grad`` of all ``written`` layers together (Eva's KL clip);
-        nothing by default."""
+    def _precondition(self, grads: list[tuple[Any, Any]]) -> None:
+        """Precondition each ``(layer, gradient)`` and write the result into the layer's
+        ``.grad`` (with the method's scale: per layer, or across layers as Eva's KL clip),
+        each layer while its matrices are still in cache where the method allows; layers the
+        method cannot precondition yet keep their raw gradients."""
+        raise NotImplementedError
 
     def _make_layer(self, name: str, helper: LayerHelper) -> Rank1Layer:
         raise NotImplementedError

@@ -61,6 +61,45 @@ def test_statistics_are_plain_means_and_the_step_is_the_clipped_closed_form() ->
     torch.testing.assert_close(model[0].bias.grad, nu * p[:, 4])
 
 
+@pytest.mark.parametrize(("model_dtype", "eva_dtype"), [
+    (F64, "float64"),  # the gradients themselves, written in place
+    (torch.float32, "float64"),  # wider copies; squared norms taken again in float64
+    (F64, "float32"),  # narrower copies, written back into the float64 gradients
+])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_the_step_writes_the_clipped_closed_form_whatever_the_gradients_dtype_and_layout(
+        model_dtype: torch.dtype, eva_dtype: str, layout: str) -> None:
+    """Eva reads the weight and bias gradients apart, in place where it can: the written
+    ``.grad`` is the KL-clipped closed form of the joined ``∇W̄`` in every case."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Flatten(),
+                          nn.Linear(48, 4)).to(model_dtype)
+    damping, kl_clip, lr = 0.05, 1e-6, 0.5
+    eva = EvaPreconditioner(model, dtype=eva_dtype, damping=damping, kl_clip=kl_clip, lr=lr)
+    x = torch.randn(3, 2, 4, 4, dtype=model_dtype)
+    for step in range(2):  # the first step sets the vectors, the second preconditions too
+        model.zero_grad()
+        (model(x).sin() ** 2).mean().backward()
+        if layout == "strided":  # a gradient a hook left non-contiguous
+            for p in model.parameters():
+                p.grad = torch.stack([p.grad, torch.zeros_like(p.grad)], dim=-1)[..., 0]
+        raw = {layer.name: layer.helper.grad_matrix().double().clone() for layer in eva.layers}
+        eva.step()
+    expected = {layer.name: eva_precondition(raw[layer.name], layer.a.value.double(),
+                                             layer.g.value.double(), damping)
+                for layer in eva.layers}
+    products = sum(float((p * raw[name]).sum()) for name, p in expected.items())
+    scale = min(1.0, math.sqrt(kl_clip / abs(lr**2 * products)))
+    assert scale < 1.0
+    tolerance = 1e-12 if (model_dtype, eva_dtype) == (F64, "float64") else 2e-5
+    assert eva.last_kl_scale == pytest.approx(scale, rel=tolerance)
+    for layer in eva.layers:
+        written = layer.helper.grad_matrix()
+        assert written.dtype == model_dtype
+        torch.testing.assert_close(written.double(), scale * expected[layer.name],
+                                   rtol=tolerance, atol=tolerance * 1e-2)
+
+
 def test_conv_statistics_and_running_average() -> None:
     torch.manual_seed(2)
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2)).to(F64)

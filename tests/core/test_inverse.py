@@ -431,6 +431,24 @@ def test_all_finite_tells_an_overflowing_sum_of_finite_entries_from_non_finite_o
     assert all_finite([]) and all_finite([torch.empty(0)])
 
 
+def test_all_finite_decides_from_given_reductions_and_checks_entries_when_they_overflow(
+        ) -> None:
+    """Reductions the caller took (squared norms) decide without a pass of its own; where
+    they overflow, the entries themselves are checked."""
+    fine = torch.randn(5, 5)
+    spoiled = fine.clone()
+    spoiled[2, 3] = math.nan
+    squared = [torch.dot(t.reshape(-1), t.reshape(-1)) for t in (fine, spoiled)]
+    assert all_finite([fine], squared[:1])
+    assert not all_finite([fine, spoiled], squared)
+    huge = torch.full((4, 4), 1e30)  # finite; its squares overflow float32
+    huge_squared = torch.dot(huge.reshape(-1), huge.reshape(-1))
+    assert not math.isfinite(float(huge_squared))
+    assert all_finite([huge], [huge_squared])
+    huge[0, 0] = math.inf
+    assert not all_finite([huge], [huge_squared])
+
+
 @pytest.mark.parametrize("kl_clip", [1e-3, None])
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_a_layer_whose_preconditioned_gradient_is_not_finite_stays_first_order(

@@ -105,11 +105,13 @@ def test_linear_mean_row_equals_the_mean_of_its_rows(bias: bool, shape: tuple[in
 
 @pytest.mark.parametrize("module", [nn.Conv2d(2, 3, 2), nn.Linear(4, 3, bias=False),
                                     nn.Linear(4, 3)])
-@pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_grad_plus_outer_is_written_in_place_or_through_set_grad(module: nn.Module,
-                                                                 layout: str) -> None:
-    """``β·M + α·u vᵀ`` lands in ``.grad``: in place when it is contiguous (with ``M`` a view
-    of the weight's own gradient when there is no bias), else through ``set_grad``."""
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "float32 copy"])
+def test_outer_is_added_to_the_grad_in_place_or_written_fresh(module: nn.Module,
+                                                              layout: str) -> None:
+    """``β·[∇W | ∇b] + α·u vᵀ`` lands in ``.grad``: in place, into the very tensors, when the
+    parts are the contiguous gradients themselves; else computed apart and copied into the
+    contiguous ``.grad`` in its dtype (parts copied into another dtype), or set as a fresh
+    contiguous tensor (a strided gradient)."""
     torch.manual_seed(3)
     module = module.to(F64)
     helper = helper_for(module)
@@ -117,12 +119,17 @@ def test_grad_plus_outer_is_written_in_place_or_through_set_grad(module: nn.Modu
         p.grad = torch.randn_like(p)
         if layout == "strided":  # a gradient DDP or a hook left non-contiguous
             p.grad = torch.randn(*p.shape, 2, dtype=F64)[..., 0]
-    matrix = helper.grad_matrix()
-    before = matrix.clone()
-    weight_grad = module.weight.grad
-    u = torch.randn(helper.g_dim, dtype=F64)
-    v = torch.randn(helper.a_dim, dtype=F64)
-    helper.set_grad_plus_outer(matrix, u, v, beta=0.5, alpha=-2.0)
-    torch.testing.assert_close(helper.grad_matrix(), 0.5 * before - 2.0 * torch.outer(u, v),
-                               rtol=1e-14, atol=1e-14)
-    assert (module.weight.grad is weight_grad) == (layout == "contiguous")
+    before = helper.grad_matrix().clone()
+    grads_before = [p.grad for p in module.parameters()]
+    parts = helper.grad_parts()
+    if layout == "float32 copy":
+        parts = tuple(None if t is None else t.float() for t in parts)
+    u = torch.randn(helper.g_dim, dtype=parts[0].dtype)
+    v = torch.randn(helper.a_dim, dtype=parts[0].dtype)
+    helper.add_outer_to_grad(parts, u, v, beta=0.5, alpha=-2.0)
+    expected = 0.5 * before - 2.0 * torch.outer(u, v).to(F64)
+    tolerance = 1e-6 if layout == "float32 copy" else 1e-14
+    torch.testing.assert_close(helper.grad_matrix(), expected, rtol=tolerance, atol=tolerance)
+    for p, grad in zip(module.parameters(), grads_before, strict=True):
+        assert p.grad.dtype == F64 and p.grad.is_contiguous()
+        assert (p.grad is grad) == (layout != "strided")
