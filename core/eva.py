@@ -128,8 +128,10 @@ class EvaLayer(Rank1Layer):
         ``Σ P ⊙ ∇W̄ = (‖∇W̄‖² − c·s) / λ``.
         """
         a, g = self.a.value, self.g.value
-        if a is None or g is None or self.norm_product is None:
+        if a is None or g is None:
             return None
+        if self.norm_product is None:  # vectors set other than by update() or a checkpoint
+            self._refresh_norm_product()
         weight, bias = parts
         w_cols = weight.shape[1]
         y = torch.mv(weight, a[:w_cols])
@@ -218,6 +220,7 @@ class EvaPreconditioner(Rank1Preconditioner):
             self.last_kl_scale = 1.0
             return
         values = torch.stack(sums).tolist()
+        ready = _unshared(ready)
         coefficients, kl_sum = [], 0.0
         for s, squared, norm_product in zip(values[0::3], values[1::3], values[2::3],
                                             strict=True):
@@ -240,3 +243,23 @@ class EvaPreconditioner(Rank1Preconditioner):
         out["kl_scale"] = self.last_kl_scale
         out["damping"] = self._damping()
         return out
+
+
+def _unshared(ready: list[tuple[EvaLayer, tuple[Tensor, Tensor | None]]]
+              ) -> list[tuple[EvaLayer, tuple[Tensor, Tensor | None]]]:
+    """``ready`` with every part whose memory an earlier layer's part also holds (a weight
+    tied between layers) replaced by a copy, before any is written: each layer's ``P`` then
+    comes from the raw gradient, and the last layer written sets the shared ``.grad``."""
+    seen: set[int] = set()
+    out = []
+    for layer, parts in ready:
+        fresh = []
+        for part in parts:
+            if part is not None:
+                if part.data_ptr() in seen:
+                    part = part.clone()
+                seen.add(part.data_ptr())
+            fresh.append(part)
+        out.append((layer, (fresh[0], fresh[1])))
+    return out
+

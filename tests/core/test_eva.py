@@ -11,6 +11,7 @@ from torch import nn
 
 from core import ConfigError, EvaPreconditioner
 from core.eva import eva_precondition
+from core.layers import helper_for
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -77,7 +78,7 @@ def test_the_step_writes_the_clipped_closed_form_whatever_the_gradients_dtype_an
     damping, kl_clip, lr = 0.05, 1e-6, 0.5
     eva = EvaPreconditioner(model, dtype=eva_dtype, damping=damping, kl_clip=kl_clip, lr=lr)
     x = torch.randn(3, 2, 4, 4, dtype=model_dtype)
-    for step in range(2):  # the first step sets the vectors, the second preconditions too
+    for _ in range(2):  # the first step sets the vectors, the second preconditions too
         model.zero_grad()
         (model(x).sin() ** 2).mean().backward()
         if layout == "strided":  # a gradient a hook left non-contiguous
@@ -98,6 +99,68 @@ def test_the_step_writes_the_clipped_closed_form_whatever_the_gradients_dtype_an
         assert written.dtype == model_dtype
         torch.testing.assert_close(written.double(), scale * expected[layer.name],
                                    rtol=tolerance, atol=tolerance * 1e-2)
+
+
+def test_the_kl_sum_of_a_float32_model_is_taken_in_evas_float64() -> None:
+    """A one-example batch makes ``∇W̄ = g aᵀ`` the rank-1 direction itself, so the KL sum
+    ``(‖∇W̄‖² − c·s) / λ ≈ n / (n + λ)`` with ``n = ‖ā‖² ‖ḡ‖² ≫ λ`` cancels all but a
+    ``λ / n`` part of ``‖∇W̄‖²``: a float32 squared norm (relative error ~1e-7) would move the
+    KL scale by ~1e-7 · n / λ, a float64 one by ~1e-16 · n / λ."""
+    torch.manual_seed(6)
+    model = nn.Linear(40, 30)  # float32
+    damping, lr = 10.0, 1.0
+    eva = EvaPreconditioner(model, dtype="float64", damping=damping, kl_clip=1e-3, lr=lr,
+                            factor_decay=0.0)
+    x = 10 * torch.randn(1, 40)
+    for _ in range(2):
+        model.zero_grad()
+        (model(x) ** 2).sum().backward()
+        raw = helper_for(model).grad_matrix().double()
+        eva.step()
+    a, g = eva.layers[0].a.value, eva.layers[0].g.value
+    n = float((a @ a) * (g @ g))
+    assert n / damping > 1e6
+    products = float((eva_precondition(raw, a, g, damping) * raw).sum())
+    assert eva.last_kl_scale == pytest.approx(math.sqrt(1e-3 / (lr**2 * products)), rel=1e-8)
+
+
+def test_a_weight_tied_between_two_layers_gets_the_last_layers_closed_form() -> None:
+    """Both layers' sums are taken before either writes, and the shared ``.grad`` is not
+    updated twice in place: it ends as the later layer's ``P`` of the raw gradient."""
+    torch.manual_seed(7)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), second).to(F64)
+    damping = 0.1
+    eva = EvaPreconditioner(model, dtype="float64", damping=damping, kl_clip=None)
+    x = torch.randn(6, 4, dtype=F64)
+    for _ in range(2):
+        model.zero_grad()
+        (model(x).sin() ** 2).mean().backward()
+        raw = [layer.helper.grad_matrix().clone() for layer in eva.layers]
+        eva.step()
+    later = eva.layers[1]
+    expected = eva_precondition(raw[1], later.a.value, later.g.value, damping)
+    torch.testing.assert_close(first.weight.grad, expected[:, :4], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(second.bias.grad, expected[:, 4], rtol=1e-12, atol=1e-14)
+
+
+def test_vectors_set_directly_are_used_with_their_norms() -> None:
+    """Vectors assigned by hand (not through an update or a checkpoint) still precondition."""
+    torch.manual_seed(8)
+    model = nn.Linear(3, 2).to(F64)
+    eva = EvaPreconditioner(model, dtype="float64", damping=0.2, kl_clip=None,
+                            factor_update_steps=1000)
+    with pytest.warns(UserWarning, match="no statistics"):
+        eva.step()  # step 0 captured nothing: no forward ran
+    layer = eva.layers[0]
+    layer.a.value = torch.randn(4, dtype=F64)
+    layer.g.value = torch.randn(2, dtype=F64)
+    F.mse_loss(model(torch.randn(5, 3, dtype=F64)), torch.zeros(5, 2, dtype=F64)).backward()
+    raw = layer.helper.grad_matrix().clone()
+    eva.step()
+    expected = eva_precondition(raw, layer.a.value, layer.g.value, 0.2)
+    torch.testing.assert_close(layer.helper.grad_matrix(), expected, rtol=1e-12, atol=1e-14)
 
 
 def test_conv_statistics_and_running_average() -> None:

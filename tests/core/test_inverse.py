@@ -441,6 +441,7 @@ def test_all_finite_decides_from_given_reductions_and_checks_entries_when_they_o
     squared = [torch.dot(t.reshape(-1), t.reshape(-1)) for t in (fine, spoiled)]
     assert all_finite([fine], squared[:1])
     assert not all_finite([fine, spoiled], squared)
+    assert all_finite([spoiled], [torch.tensor(1.0)])  # the caller's finite reduction decides
     huge = torch.full((4, 4), 1e30)  # finite; its squares overflow float32
     huge_squared = torch.dot(huge.reshape(-1), huge.reshape(-1))
     assert not math.isfinite(float(huge_squared))
