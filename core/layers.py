@@ -134,9 +134,9 @@ class LayerHelper:
 
         Rows are affine in each example's input and every example has the same number of
         rows, so the batch mean is taken first: the rows of one averaged example, not of the
-        whole batch, are materialised (for Conv2d, the im2col patches).
+        whole batch, are materialised (the built-in helpers need none).
         """
-        return self.a_rows(x.to(dtype).mean(dim=0, keepdim=True)).rows.mean(dim=(0, 1))
+        return self.a_rows(x.mean(dim=0, keepdim=True, dtype=dtype)).rows.mean(dim=(0, 1))
 
     def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         """Batch slices of a captured input whose :meth:`a_rows` are built one at a time
@@ -374,6 +374,28 @@ class Conv2dHelper(LayerHelper):
 
     def g_rows(self, gy: Tensor) -> Rows:
         return Rows(gy.flatten(2).transpose(1, 2), spatial=True)
+
+    def mean_a_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``ā`` without patch rows: the entry of tap ``(c, i, j)`` is the mean of the
+        batch-mean input over the output positions' window of that tap, summed over rows
+        (one strided reduction for every ``i``), then over columns (for every ``j``)."""
+        conv = self.conv
+        (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+        ph, pw = self._padding()
+        out_h, out_w = self._output_size(x.shape[2], x.shape[3])
+        mean = x.mean(dim=0, dtype=dtype)  # (c_in, H, W), accumulated in dtype, no copy
+        if ph or pw:
+            mean = F.pad(mean, (pw, pw, ph, ph))
+        channels, _, width = mean.shape
+        sc, sy, sx = mean.stride()
+        rows = mean.as_strided((channels, kh, out_h, width),
+                               (sc, dh * sy, sh * sy, sx)).sum(dim=2)  # (c_in, k_h, W)
+        rc, ry, rx = rows.stride()
+        taps = rows.as_strided((channels, kh, kw, out_w), (rc, ry, dw * rx, sw * rx)).sum(dim=3)
+        row = taps.reshape(-1).div_(out_h * out_w)
+        if not self.has_bias:
+            return row
+        return torch.cat([row, row.new_ones(1)])
 
 
 _HELPERS: dict[type[nn.Module], type[LayerHelper]] = {

@@ -103,6 +103,26 @@ def test_linear_mean_row_equals_the_mean_of_its_rows(bias: bool, shape: tuple[in
                                rows.mean(dim=(0, 1)), rtol=1e-15, atol=1e-15)
 
 
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(3, 4, 3, padding=1),
+    nn.Conv2d(3, 4, 3, stride=2, padding=1, bias=False),
+    nn.Conv2d(3, 4, (2, 3), stride=(2, 1), padding=(0, 2), dilation=(1, 2)),
+    nn.Conv2d(3, 4, 3, padding="same", dilation=2),
+    nn.Conv2d(3, 4, 1, stride=2),
+    nn.Conv2d(3, 4, 5, stride=3, padding="valid"),
+])
+@pytest.mark.parametrize("input_dtype", [F64, torch.bfloat16])
+def test_conv_mean_row_equals_the_mean_of_its_patch_rows(conv: nn.Conv2d,
+                                                         input_dtype: torch.dtype) -> None:
+    """``ā`` from the window sums of each tap is the mean of the im2col rows, with stride,
+    padding, dilation and bias; a bf16 input is averaged in float64 (no rounding on the way)."""
+    helper = helper_for(conv)
+    x = torch.randn(3, 3, 9, 11, dtype=F64).to(input_dtype)
+    rows = helper.a_rows(x.to(F64)).rows  # type: ignore[union-attr]
+    torch.testing.assert_close(helper.mean_a_row(x, F64),  # type: ignore[union-attr]
+                               rows.mean(dim=(0, 1)), rtol=1e-13, atol=1e-14)
+
+
 @pytest.mark.parametrize("module", [nn.Conv2d(2, 3, 2), nn.Linear(4, 3, bias=False),
                                     nn.Linear(4, 3)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided", "float32 copy"])
