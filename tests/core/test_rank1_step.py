@@ -13,6 +13,7 @@ from torch import nn
 from core import EvaPreconditioner, MKORPreconditioner
 from core.eva import eva_precondition
 from core.layers import helper_for
+from core.rank1 import gradient_vector
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -121,6 +122,23 @@ def test_conv_mean_row_equals_the_mean_of_its_patch_rows(conv: nn.Conv2d,
     rows = helper.a_rows(x.to(F64)).rows  # type: ignore[union-attr]
     torch.testing.assert_close(helper.mean_a_row(x, F64),  # type: ignore[union-attr]
                                rows.mean(dim=(0, 1)), rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize(("module", "shape"), [(nn.Conv2d(3, 4, 3), (2, 4, 5, 6)),
+                                             (nn.Linear(3, 4), (2, 5, 4))])
+@pytest.mark.parametrize("per_example", [False, True])
+def test_gradient_vector_of_a_bf16_gradient_is_its_exact_mean_in_the_statistics_dtype(
+        module: nn.Module, shape: tuple[int, ...], per_example: bool) -> None:
+    """Eva's plain mean and MKOR's ``R``-scaled one of a bf16 output gradient, accumulated in
+    float64: the exact mean of the bf16 values (times ``B`` for a convolution, ``B·T`` for a
+    Linear under MKOR)."""
+    gy = torch.randn(*shape, dtype=F64).bfloat16()
+    conv = gy.dim() == 4
+    exact = (gy.double().movedim(1, -1) if conv else gy.double()).reshape(-1, 4).mean(dim=0)
+    scale = 1 if not per_example else shape[0] if conv else shape[0] * shape[1]
+    torch.testing.assert_close(
+        gradient_vector(helper_for(module), gy, F64, per_example=per_example),  # type: ignore[arg-type]
+        exact * scale, rtol=1e-14, atol=1e-15)
 
 
 @pytest.mark.parametrize("module", [nn.Conv2d(2, 3, 2), nn.Linear(4, 3, bias=False),
