@@ -19,7 +19,7 @@ STAGES = (
     "inverse_comm",     # broadcast of inverses or eigenbases
     "precondition",     # the preconditioning products
     "grad_comm",        # broadcast / all-gather of preconditioned gradients
-    "scale",            # KL clip (or rescale) and write-back into .grad
+    "scale",            # K-FAC's KL clip and write-back into .grad
 )
 
 
