@@ -383,7 +383,7 @@ class Conv2dHelper(LayerHelper):
         (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
         ph, pw = self._padding()
         out_h, out_w = self._output_size(x.shape[2], x.shape[3])
-        mean = x.mean(dim=0, dtype=dtype)  # (c_in, H, W), accumulated in dtype, no copy
+        mean = x.mean(dim=0, dtype=dtype)  # (c_in, H, W) in dtype (CUDA fp16/bf16 -> fp32 uncopied)
         if ph or pw:
             mean = F.pad(mean, (pw, pw, ph, ph))
         channels, _, width = mean.shape

@@ -73,7 +73,7 @@ def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
             Eva's code uses and what its damping values are tuned against.
     """
     rows = helper.g_rows(gy)
-    mean = rows.rows.mean(dim=(0, 1), dtype=dtype)  # accumulated in dtype, no copy of g
+    mean = rows.rows.mean(dim=(0, 1), dtype=dtype)  # CUDA fp16/bf16 -> fp32 without a copy
     if not per_example:
         return mean
     return mean * (rows.batch if rows.spatial else rows.batch * rows.positions)

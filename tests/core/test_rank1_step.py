@@ -124,8 +124,37 @@ def test_conv_mean_row_equals_the_mean_of_its_patch_rows(conv: nn.Conv2d,
                                rows.mean(dim=(0, 1)), rtol=1e-13, atol=1e-14)
 
 
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced", "expanded",
+                                    "one example, one channel, one row"])
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(3, 4, (2, 3), stride=(2, 1), padding=(1, 2), dilation=(1, 2), bias=False),
+    nn.Conv2d(3, 4, 2, stride=3, padding=(6, 4), dilation=5),  # windows wholly in the padding
+    nn.Conv2d(3, 4, (4, 5)),  # one output position
+])
+def test_conv_mean_row_reads_any_input_layout(conv: nn.Conv2d, layout: str) -> None:
+    """The strided window sums follow the batch mean's own strides: channels-last, transposed,
+    sliced and expanded inputs, single sizes, float32 statistics."""
+    base = torch.randn(2, 3, 4, 10, dtype=F64)
+    x = {"channels_last": base.contiguous(memory_format=torch.channels_last),
+         "transposed": torch.randn(2, 3, 10, 4, dtype=F64).transpose(2, 3),
+         "sliced": torch.randn(2, 3, 4, 20, dtype=F64)[..., ::2],
+         "expanded": base[:1].expand(3, -1, -1, -1),
+         "one example, one channel, one row": base[:1]}[layout]
+    if layout.startswith("one example"):
+        conv = nn.Conv2d(1, 4, (1, 3), padding=(0, 1))
+        x = base[:1, :1, :1]
+    helper = helper_for(conv)
+    rows = helper.a_rows(x.contiguous()).rows  # type: ignore[union-attr]
+    expected = rows.mean(dim=(0, 1))
+    torch.testing.assert_close(helper.mean_a_row(x, F64), expected,  # type: ignore[union-attr]
+                               rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(helper.mean_a_row(x.float(), torch.float32),  # type: ignore[union-attr]
+                               expected.float(), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(("module", "shape"), [(nn.Conv2d(3, 4, 3), (2, 4, 5, 6)),
-                                             (nn.Linear(3, 4), (2, 5, 4))])
+                                             (nn.Linear(3, 4), (2, 5, 4)),
+                                             (nn.Linear(3, 4), (6, 4))])
 @pytest.mark.parametrize("per_example", [False, True])
 def test_gradient_vector_of_a_bf16_gradient_is_its_exact_mean_in_the_statistics_dtype(
         module: nn.Module, shape: tuple[int, ...], per_example: bool) -> None:
@@ -134,8 +163,10 @@ def test_gradient_vector_of_a_bf16_gradient_is_its_exact_mean_in_the_statistics_
     Linear under MKOR)."""
     gy = torch.randn(*shape, dtype=F64).bfloat16()
     conv = gy.dim() == 4
+    if conv:
+        gy = gy.contiguous(memory_format=torch.channels_last)
     exact = (gy.double().movedim(1, -1) if conv else gy.double()).reshape(-1, 4).mean(dim=0)
-    scale = 1 if not per_example else shape[0] if conv else shape[0] * shape[1]
+    scale = 1 if not per_example else shape[0] if conv else gy[..., 0].numel()
     torch.testing.assert_close(
         gradient_vector(helper_for(module), gy, F64, per_example=per_example),  # type: ignore[arg-type]
         exact * scale, rtol=1e-14, atol=1e-15)
