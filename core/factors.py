@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -89,13 +89,18 @@ class SymmetricGram:
 
 
 @traced("batch_finiteness_check")
-def grams_finite(factors: Iterable[Tensor]) -> bool:
-    """Whether every batch factor is finite, read from its diagonal alone.
+def gram_diagonal_checks(factors: Sequence[Tensor]) -> tuple[bool, bool]:
+    """Whether every batch factor is finite, and whether the first is all zeros, read from
+    their diagonals alone in one host transfer.
 
     A batch factor is a sum of Gram matrices, so ``|F_ij| <= sqrt(F_ii F_jj)``: it is finite
-    exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too).
+    exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too), and zero
+    exactly when its diagonal is (no row, or only zero rows, went into it).
     """
-    return all(bool(torch.isfinite(f.diagonal()).all()) for f in factors)
+    diagonals = [f.diagonal() for f in factors]
+    flags = torch.stack([d.isfinite().all() for d in diagonals] + [diagonals[0].any()])
+    *finite, nonzero = flags.tolist()
+    return all(finite), not nonzero
 
 
 def _feature_major(rows: Tensor) -> Tensor:

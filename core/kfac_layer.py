@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from core.conv_gram import Plan, ShiftedPatches
-from core.factors import SymmetricGram, a_scale, add_a_rows, add_g_rows, grams_finite
+from core.factors import SymmetricGram, a_scale, add_a_rows, add_g_rows, gram_diagonal_checks
 from core.inverse import (
     SIDES,
     DecompositionError,
@@ -60,6 +60,8 @@ class KFACLayer(PreconditionedLayer):
         self.captured_grads: list[tuple[Tensor, float]] = []
         self.batch_a: Tensor | None = None
         self.batch_g: Tensor | None = None
+        #: Whether the staged batch factors went into an average across ranks this step.
+        self.reduced = False
         self.state: SecondOrderState | None = None
         self.valid_sides: set[str] = set()
         self.decomposition_failures = 0
@@ -150,27 +152,52 @@ class KFACLayer(PreconditionedLayer):
         self.batch_a = self.a.take_batch()
         self.batch_g = self.g.take_batch()
 
+    def batch_factors_for_reduction(self) -> tuple[Tensor, Tensor]:
+        """This step's staged batch factors, about to be averaged across ranks; zeros, with a
+        warning, where this rank captured none (the layer did not run here, or its output did
+        not reach the loss), so that every rank's collective has the same layout. The average
+        then counts this rank as having seen nothing; if no rank captured the layer, the
+        average is zeros, and :meth:`update_running_factors` skips it on every rank alike."""
+        self.reduced = True
+        if self.batch_a is None or self.batch_g is None:
+            warnings.warn(f"{self.name}: no factors captured on this rank in a factor-update "
+                          "step; zeros stand in for them in the average across ranks, which "
+                          "then undercounts this layer's factors (every rank should run every "
+                          "preconditioned layer: skip_layers it otherwise)", stacklevel=2)
+            self.batch_a, self.batch_g = (
+                torch.zeros(dim, dim, dtype=self.factor_dtype, device=self.device)
+                for dim in (self.a_dim, self.g_dim))
+        return self.batch_a, self.batch_g
+
     def discard_batch_factors(self) -> None:
         """Forget everything captured for this step (e.g. an AMP overflow step)."""
         self.captured_inputs, self.captured_grads = [], []
         self.a.discard_pending()
         self.g.discard_pending()
         self.batch_a = self.batch_g = None
+        self.reduced = False
 
     def discard_pending(self) -> None:
         """:meth:`discard_batch_factors` (the step prologue's name for it)."""
         self.discard_batch_factors()
 
     def update_running_factors(self, decay: float) -> None:
-        """Blend the staged batch factors into the running averages; skip non-finite ones."""
+        """Blend the staged batch factors into the running averages; skip non-finite ones,
+        and averages across ranks whose ``A`` is zeros (no rank captured the layer: ``A``, a
+        mean of input rows, is zero only then, or for all-zero inputs, where ``G`` may be
+        zeros legitimately, its gradients rounded away on a narrow wire)."""
         batch_a, batch_g = self.batch_a, self.batch_g
+        reduced, self.reduced = self.reduced, False
         self.batch_a = self.batch_g = None
         if batch_a is None or batch_g is None:
             return
-        if not grams_finite((batch_a, batch_g)):
+        finite, zero = gram_diagonal_checks((batch_a, batch_g))
+        if not finite:
             self.nonfinite_factor_skips += 1
             warnings.warn(f"{self.name}: non-finite factor batch skipped "
                           f"({self.nonfinite_factor_skips} so far)", stacklevel=2)
+            return
+        if reduced and zero:
             return
         self.a.update(batch_a, decay)
         self.g.update(batch_g, decay)

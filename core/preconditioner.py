@@ -151,10 +151,16 @@ class KFACPreconditioner:
         params = list(model.parameters())
         self.timer = StageTimer(device_events=bool(params) and params[0].is_cuda)
         # factors_in_backward: the reduction its hooks started, the backward passes each layer
-        # has folded and the layers already handed over, this step.
+        # has folded, the layers whose factors are staged and those already handed over, this
+        # step. Layers are handed over in one order on every rank, reverse model order (the
+        # usual order of the backward pass), each once all before it have been: which layer's
+        # backward pass completes first may depend on the data and differ between ranks, and
+        # the buckets of the reduction must hold the same layers everywhere.
         self._backward_reduction: FactorReduction | None = None
         self._folded: dict[str, int] = {}
+        self._staged: set[str] = set()
         self._handed_over: set[str] = set()
+        self._handover_order = self.layers[::-1]
         self._hooks = [self._register(layer) for layer in self.layers]
 
     # Hooks -----------------------------------------------------------------------------------
@@ -195,9 +201,13 @@ class KFACPreconditioner:
         if self._backward_reduction is None:
             self._backward_reduction = self.strategy.factor_reduction()
         layer.stage_batch_factors(self.timer)
+        self._staged.add(layer.name)
         with self.timer.stage("factor_comm"):
-            self._backward_reduction.add(layer)
-        self._handed_over.add(layer.name)
+            for ready in self._handover_order[len(self._handed_over):]:
+                if ready.name not in self._staged:
+                    break
+                self._backward_reduction.add(ready)
+                self._handed_over.add(ready.name)
 
     def _settle_backward_reduction(self) -> None:
         """Complete the collectives the backward pass started (before its factors are
@@ -257,10 +267,11 @@ class KFACPreconditioner:
             if strategy.communicates_factors:
                 reduction = (self._backward_reduction or strategy.factor_reduction()
                              if self._enabled("factor_comm") else None)
-                for layer in self.layers:
-                    if layer.name in self._handed_over:  # in the backward pass
-                        continue
-                    layer.stage_batch_factors(timer)
+                order = (self._handover_order[len(self._handed_over):]
+                         if cfg.factors_in_backward else self.layers)
+                for layer in order:
+                    if layer.name not in self._staged:  # else staged in the backward pass
+                        layer.stage_batch_factors(timer)
                     if reduction is not None:
                         with timer.stage("factor_comm"):
                             reduction.add(layer)
@@ -413,6 +424,7 @@ class KFACPreconditioner:
     def _end_step(self) -> None:
         self._backward_reduction = None
         self._folded.clear()
+        self._staged.clear()
         self._handed_over.clear()
         self.steps += 1
         self._loss_scale_cache = None
@@ -459,9 +471,14 @@ class KFACPreconditioner:
         """Restore :meth:`state_dict` output; the model's layers and strategy must match."""
         signature = self.strategy.state_signature()
         if state["signature"] != signature:
-            raise ValueError(f"preconditioner state was saved with {state['signature']}, "
-                             f"this run has {signature}; resume with the same strategy and "
-                             "world size")
+            saved = state["signature"]
+            differ = ", ".join(
+                f"{key}: {_brief(saved.get(key))} saved, {_brief(signature.get(key))} now"
+                for key in sorted(set(saved) | set(signature), key=str)
+                if saved.get(key) != signature.get(key))
+            raise ValueError(f"preconditioner state does not fit this run ({differ}): resume "
+                             "with the same strategy and world size, each rank loading the "
+                             "state it saved, on the model wrapped as it was (DDP or not)")
         check_saved_layers(self.layers, state["layers"])
         # Same-shaped states of another method (inverses vs Cholesky factors) would be
         # silently misread, so the saved kind must be this method's.
@@ -500,3 +517,10 @@ class KFACPreconditioner:
     def __repr__(self) -> str:
         return (f"KFACPreconditioner({len(self.layers)} layers, {self.config}, "
                 f"{self.strategy.describe()})")
+
+
+def _brief(value: object, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a layer placement table is long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+

@@ -16,16 +16,14 @@ rank makes the same calls, so a strategy may issue collectives in any of them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from core.distributed.communicator import Communicator
 from core.inverse import SIDES
 from core.kfac_layer import KFACLayer
-
-if TYPE_CHECKING:
-    from core.distributed.communicator import Communicator
 
 
 def nothing_to_wait() -> None:
@@ -70,7 +68,10 @@ class Strategy:
         name: The strategy's name (``"local"`` here).
         rank: This process's rank.
         world_size: Number of processes.
-        communicator: The communicator (and so the ledger) of a distributed strategy; None here.
+        communicator: The communicator (and so the ledger) of the strategy; here a world of
+            one, which moves and records nothing, so code written for a distributed run
+            (``average_gradients(..., strategy.communicator)``, the ledger's summary) runs
+            unchanged in one process.
     """
 
     name = "local"
@@ -81,7 +82,7 @@ class Strategy:
     def __init__(self) -> None:
         self.rank = 0
         self.world_size = 1
-        self.communicator: Communicator | None = None
+        self.communicator = Communicator.simulated(0, 1)
 
     @property
     def moves_gradients(self) -> bool:

@@ -107,9 +107,8 @@ def train(strategy: str, args: argparse.Namespace, data: tuple[Tensor, Tensor],
         optimizer.zero_grad()
         loss = nn.functional.cross_entropy(net(xb), yb)
         loss.backward()
-        communicator = precond.strategy.communicator
-        if net is model and communicator is not None:
-            average_gradients(model.parameters(), communicator)
+        if net is model:
+            average_gradients(model.parameters(), precond.strategy.communicator)
         precond.step()
         optimizer.step()
         if step % args.log_every == 0 or step == args.steps - 1:
@@ -124,11 +123,10 @@ def train(strategy: str, args: argparse.Namespace, data: tuple[Tensor, Tensor],
 def report(precond: KFACPreconditioner, all_ranks: bool) -> None:
     """Ledger summary (last step and all steps) and memory, of rank 0 or of every rank."""
     rank, world_size = rank_and_size()
-    communicator = precond.strategy.communicator
-    if communicator is None:
+    if world_size == 1:
         print("single process: nothing was communicated")
         return
-    ledger = communicator.ledger
+    ledger = precond.strategy.communicator.ledger
     text = (f"{ledger.format_summary(step=precond.steps - 1)}\n{ledger.format_summary()}\n"
             f"memory (bytes): {precond.memory_usage()}")
     texts = [text]

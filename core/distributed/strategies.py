@@ -49,9 +49,8 @@ class _StreamedFactorReduction(FactorReduction):
         self._pack = pack
 
     def add(self, layer: KFACLayer) -> None:
-        if layer.batch_a is not None and layer.batch_g is not None:
-            self._stream.add(layer.batch_a, pack=self._pack)
-            self._stream.add(layer.batch_g, pack=self._pack)
+        for factor in layer.batch_factors_for_reduction():
+            self._stream.add(factor, pack=self._pack)
 
     def finish(self) -> Callable[[], None]:
         return self._stream.finish().wait
@@ -345,13 +344,12 @@ class OsawaStrategy(DistributedStrategy):
         return FactorReduction(self._reduce_scatter_factors)
 
     def _reduce_scatter_factors(self, layers: list[KFACLayer]) -> Callable[[], None]:
-        staged = [layer for layer in layers
-                  if layer.batch_a is not None and layer.batch_g is not None]
-        segments = [[t for layer in self._owned(staged, r)
-                     for t in (layer.batch_a, layer.batch_g)] for r in range(self.world_size)]
+        staged = {layer.name: layer.batch_factors_for_reduction() for layer in layers}
+        segments = [[t for layer in self._owned(layers, r) for t in staged[layer.name]]
+                    for r in range(self.world_size)]
         self.communicator.reduce_scatter_v(segments, stage="factor_comm",  # type: ignore[arg-type]
                                            average=True, dtype=self.wire_dtype, pack=self.pack)
-        for layer in staged:
+        for layer in layers:
             if self.owner(layer) != self.rank:
                 layer.batch_a = layer.batch_g = None
         return nothing_to_wait

@@ -225,7 +225,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
         kl_clip=config.kl_clip, lr=schedule, factor_update_steps=config.factor_update_steps,
         inv_update_steps=config.inv_update_steps)
     communicator = (precond.strategy.communicator if precond is not None
-                    and precond.strategy.communicator is not None else Communicator.from_torch())
+                    else Communicator.from_torch())
     run_config = asdict(config) | {"optimizer": name, "world_size": ctx.world_size,
                                    "global_batch": global_batch, "model": "fashion_cnn",
                                    "scheme": None if scheme is None else asdict(scheme)}

@@ -165,3 +165,25 @@ def test_a_streamed_all_reduce_in_a_world_of_one_moves_and_records_nothing() -> 
     stream.add(t)
     stream.finish().wait()
     assert torch.equal(t, torch.ones(3)) and comm.ledger.entries == []
+
+
+def test_a_single_process_strategy_has_a_world_of_one_that_moves_and_records_nothing() -> None:
+    """Code written for a distributed run (docs/distributed.md) runs unchanged in one process:
+    ``average_gradients`` through the strategy's communicator leaves the gradients as they are
+    and the ledger stays empty."""
+    from torch import nn
+
+    from core import KFACPreconditioner
+
+    model = nn.Linear(3, 2)
+    precond = KFACPreconditioner(model)
+    model(torch.randn(4, 3)).square().sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    average_gradients(model.parameters(), precond.strategy.communicator)
+    for p, grad in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.grad, grad)
+    precond.step()
+    communicator = precond.strategy.communicator
+    assert (communicator.rank, communicator.world_size) == (0, 1)
+    assert communicator.ledger.entries == []
+    assert isinstance(communicator.ledger.format_summary(step=precond.steps - 1), str)

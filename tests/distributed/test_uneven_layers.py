@@ -1,0 +1,147 @@
+"""K-FAC's factor reduction when ranks do not run the same layers in the same order: a layer
+that runs on some ranks only (data-dependent routing, an unused branch) is averaged with zeros
+from the others instead of desynchronising the collectives, a layer no rank ran keeps no
+factors, and with ``factors_in_backward`` the buckets hold the same layers on every rank
+whatever order the backward passes finish them in."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from core import KFACPreconditioner
+from core.distributed import average_gradients
+from tests.distributed.helpers import run_workers
+
+
+class Routed(nn.Module):
+    """``fc`` then, when ``route`` says so, a residual ``branch``; ``a`` and ``b`` (same shape)
+    in an order that depends on ``a_first``; a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.branch = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor, *, branch: bool, a_first: bool = True) -> Tensor:
+        h = torch.tanh(self.fc(x))
+        if branch:
+            h = h + self.branch(h)
+        h = self.b(torch.tanh(self.a(h))) if a_first else self.a(torch.tanh(self.b(h)))
+        return self.head(torch.tanh(h))
+
+
+def data(rank: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(20 + rank)
+    return torch.randn(6, 4, generator=generator), torch.randint(0, 2, (6,), generator=generator)
+
+
+def model() -> Routed:
+    torch.manual_seed(0)
+    return Routed()
+
+
+def factors_after_steps(rank: int, world_size: int, strategy: str, branch_on: list[bool],
+                        factors_in_backward: bool = False, a_first: bool = True
+                        ) -> dict[str, object]:
+    """Running factors after one step per entry of ``branch_on`` (whether this rank runs the
+    branch that step), and the warnings raised."""
+    torch.set_num_threads(1)
+    net = model()
+    precond = KFACPreconditioner(net, strategy=strategy, factor_decay=0.0, kl_clip=None,
+                                 factors_in_backward=factors_in_backward)
+    x, y = data(rank)
+    for p in net.parameters():  # every rank averages every gradient (DDP would too)
+        p.grad = torch.zeros_like(p)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for on in branch_on:
+            net.zero_grad(set_to_none=False)
+            F.cross_entropy(net(x, branch=on, a_first=a_first), y).backward()
+            average_gradients(net.parameters(), precond.strategy.communicator)
+            precond.step()
+    return {"factors": {layer.name: (layer.a.value, layer.g.value) for layer in precond.layers},
+            "warnings": [str(w.message) for w in caught]}
+
+
+def branch_on_rank_zero(rank: int, world_size: int, strategy: str) -> dict[str, object]:
+    return factors_after_steps(rank, world_size, strategy, [rank == 0])
+
+
+def branch_nowhere_then_on_rank_zero(rank: int, world_size: int, strategy: str
+                                     ) -> dict[str, object]:
+    first = factors_after_steps(rank, world_size, strategy, [False])
+    return {"first": first, "both": factors_after_steps(rank, world_size, strategy,
+                                                        [False, rank == 0])}
+
+
+def single_process_branch_a() -> Tensor:
+    """The branch's ``A`` from rank 0's data alone (``A`` does not depend on the world size
+    under KAISA's scaling)."""
+    net = model()
+    precond = KFACPreconditioner(net, factor_decay=0.0, kl_clip=None)
+    x, y = data(0)
+    F.cross_entropy(net(x, branch=True), y).backward()
+    precond.step()
+    a = next(layer for layer in precond.layers if layer.name == "branch").a.value
+    assert a is not None
+    return a
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "d-kfac", "osawa"])
+def test_a_layer_run_on_one_rank_is_averaged_with_zeros_from_the_other(strategy: str) -> None:
+    """Before, the ranks' factor collectives had different layouts: gloo aborted, or (osawa)
+    both ranks hung."""
+    expected = single_process_branch_a() / 2
+    results = run_workers(branch_on_rank_zero, 2, strategy, timeout=120)
+    holders = [r for r in results if r["factors"]["branch"][0] is not None]
+    assert holders  # every rank (all-reduce) or the owner (osawa)
+    for result in holders:
+        torch.testing.assert_close(result["factors"]["branch"][0], expected)
+    assert not any("branch" in w for w in results[0]["warnings"])
+    assert any("branch: no factors captured on this rank" in w
+               for w in results[1]["warnings"])
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "osawa"])
+def test_a_layer_no_rank_ran_keeps_no_factors(strategy: str) -> None:
+    """Zeros from every rank are no factor: the running average is not started (or pulled
+    towards zero) by them, as in one process."""
+    results = run_workers(branch_nowhere_then_on_rank_zero, 2, strategy, timeout=120)
+    for result in results:
+        assert result["first"]["factors"]["branch"] == (None, None)
+    holders = [r["both"] for r in results if r["both"]["factors"]["branch"][0] is not None]
+    assert holders
+    for result in holders:
+        torch.testing.assert_close(result["factors"]["branch"][0],
+                                   single_process_branch_a() / 2)
+
+
+def routed_order(rank: int, world_size: int, factors_in_backward: bool) -> dict[str, object]:
+    """Rank 0 runs ``a`` before ``b``, rank 1 ``b`` before ``a``: their backward passes finish
+    the two same-shaped layers in opposite orders."""
+    return factors_after_steps(rank, world_size, "comm-opt", [True],
+                               factors_in_backward=factors_in_backward, a_first=rank == 0)
+
+
+def test_factors_in_backward_buckets_the_same_layers_whatever_order_backward_finishes_them(
+        ) -> None:
+    """Before, each rank handed its layers over in the order its backward pass finished them,
+    so ``a``'s factors on one rank were summed with ``b``'s from the other."""
+    in_model_order = run_workers(routed_order, 2, False, timeout=120)
+    in_backward = run_workers(routed_order, 2, True, timeout=120)
+    for reference, got in zip(in_model_order, in_backward, strict=True):
+        for name in ("a", "b"):
+            for side in (0, 1):
+                torch.testing.assert_close(got["factors"][name][side],
+                                           reference["factors"][name][side])
+    for name in ("a", "b"):  # and every rank holds the same averages
+        torch.testing.assert_close(in_backward[0]["factors"][name][0],
+                                   in_backward[1]["factors"][name][0])
