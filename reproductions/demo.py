@@ -1,4 +1,4 @@
-"""K-FAC against SGD on real Fashion-MNIST: a two-minute demonstration on a CPU.
+"""K-FAC against SGD on real Fashion-MNIST: a demonstration of about a minute on a CPU.
 
 Trains the same small CNN from the same initial weights on the same batches with momentum SGD
 and with K-FAC-preconditioned momentum SGD, then prints a comparison table (training loss, test
