@@ -202,19 +202,43 @@ class KFACPreconditioner:
             self._backward_reduction = self.strategy.factor_reduction()
         layer.stage_batch_factors(self.timer)
         self._staged.add(layer.name)
-        with self.timer.stage("factor_comm"):
-            for ready in self._handover_order[len(self._handed_over):]:
-                if ready.name not in self._staged:
+        self._hand_over(self._backward_reduction, everything=False)
+
+    def _hand_over(self, reduction: FactorReduction, *, everything: bool) -> None:
+        """Hand layers to ``reduction`` in ``_handover_order``, from the first not yet handed
+        over: each staged one, and each that did not run forward in this micro-step (nothing
+        more comes for it this step, so its pending factors, or zeros, are staged now); stop at
+        the first still waiting for its backward pass, unless ``everything``."""
+        for layer in self._handover_order[len(self._handed_over):]:
+            if layer.name not in self._staged:
+                if layer.captured_inputs and not everything:
                     break
-                self._backward_reduction.add(ready)
-                self._handed_over.add(ready.name)
+                layer.stage_batch_factors(self.timer)
+                self._staged.add(layer.name)
+            with self.timer.stage("factor_comm"):
+                reduction.add(layer)
+            self._handed_over.add(layer.name)
+
+    def _reduces_factors(self) -> bool:
+        """Whether this step's batch factors go through a reduction across ranks."""
+        return (self._capturing and self.strategy.communicates_factors
+                and self._enabled("factor_comm")
+                and not self.disabled_stages & {"capture", "factors"})
 
     def _settle_backward_reduction(self) -> None:
-        """Complete the collectives the backward pass started (before its factors are
-        discarded), as every rank does on the same step."""
-        if self._backward_reduction is not None:
-            with self.timer.stage("factor_comm"):
-                self._backward_reduction.finish()()
+        """Complete the collectives the backward pass started, as every rank does on the same
+        step, before the step's factors are discarded (an overflow, a skipped step): each
+        rank hands over every layer it had not (what it had started depends on which layers
+        it ran), so the collectives match."""
+        reduction = self._backward_reduction
+        if reduction is None and self.config.factors_in_backward and self._reduces_factors():
+            reduction = self.strategy.factor_reduction()
+        if reduction is None:
+            return
+        if self.config.factors_in_backward:
+            self._hand_over(reduction, everything=True)
+        with self.timer.stage("factor_comm"):
+            reduction.finish()()
 
     def _grad_multiplier(self) -> float:
         """What captured output gradients are multiplied by before they enter ``G``.
@@ -266,12 +290,13 @@ class KFACPreconditioner:
             decay = self._hyper("factor_decay", 0.0)
             if strategy.communicates_factors:
                 reduction = (self._backward_reduction or strategy.factor_reduction()
-                             if self._enabled("factor_comm") else None)
-                order = (self._handover_order[len(self._handed_over):]
-                         if cfg.factors_in_backward else self.layers)
-                for layer in order:
-                    if layer.name not in self._staged:  # else staged in the backward pass
-                        layer.stage_batch_factors(timer)
+                             if self._reduces_factors() else None)
+                if reduction is not None and cfg.factors_in_backward:
+                    self._hand_over(reduction, everything=True)
+                for layer in self.layers:
+                    if layer.name in self._staged:  # handed over in the backward pass
+                        continue
+                    layer.stage_batch_factors(timer)
                     if reduction is not None:
                         with timer.stage("factor_comm"):
                             reduction.add(layer)

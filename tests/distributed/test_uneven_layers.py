@@ -145,3 +145,86 @@ def test_factors_in_backward_buckets_the_same_layers_whatever_order_backward_fin
     for name in ("a", "b"):  # and every rank holds the same averages
         torch.testing.assert_close(in_backward[0]["factors"][name][0],
                                    in_backward[1]["factors"][name][0])
+
+
+def overflow_or_skip(rank: int, world_size: int, strategy: str, how: str) -> dict[str, object]:
+    """With ``factors_in_backward``, a step whose gradients overflow (or that the caller
+    skips) while rank 1 did not run the branch; then a normal step."""
+    torch.set_num_threads(1)
+    net = model()
+    precond = KFACPreconditioner(net, strategy=strategy, factor_decay=0.0, kl_clip=None,
+                                 factors_in_backward=True)
+    x, y = data(rank)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            net.zero_grad(set_to_none=False)
+            F.cross_entropy(net(x, branch=rank == 0), y).backward()
+            average_gradients(net.parameters(), precond.strategy.communicator)
+            if step == 0 and how == "skip":
+                precond.skip_step()
+                continue
+            if step == 0:
+                net.fc.weight.grad[0, 0] = float("inf")
+            precond.step()
+    return {"skipped": precond.skipped_overflow_steps,
+            "factors": {layer.name: layer.a.value for layer in precond.layers}}
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "osawa"])
+@pytest.mark.parametrize("how", ["overflow", "skip"])
+def test_an_overflowed_or_skipped_step_settles_the_same_collectives_on_every_rank(
+        strategy: str, how: str) -> None:
+    """Each rank had handed over the layers it ran; the rest are handed over before the
+    reduction is completed and discarded (before, gloo aborted on mismatched sizes)."""
+    results = run_workers(overflow_or_skip, 2, strategy, how, timeout=120)
+    for result in results:
+        assert result["skipped"] == 1
+    holders = [r for r in results if r["factors"]["branch"] is not None]
+    assert holders
+    for result in holders:
+        torch.testing.assert_close(result["factors"]["branch"], single_process_branch_a() / 2)
+
+
+def handed_over_in_backward(rank: int, world_size: int, disabled: tuple[str, ...]
+                            ) -> dict[str, object]:
+    """Which layers the backward pass handed to the reduction, with a layer registered last
+    that no forward pass runs, and the factor traffic of the step."""
+    torch.set_num_threads(1)
+    net = model()
+    net.unused = nn.Linear(4, 4)  # registered last: first in reverse model order
+    precond = KFACPreconditioner(net, strategy="comm-opt", kl_clip=None,
+                                 factors_in_backward=True, disabled_stages=disabled)
+    x, y = data(rank)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.cross_entropy(net(x, branch=True), y).backward()
+        in_backward = sorted(precond._handed_over)
+        average_gradients(net.parameters(), precond.strategy.communicator)
+        precond.step()
+    factor_bytes = sum(e.bytes for e in precond.strategy.communicator.ledger.entries
+                       if e.stage == "factor_comm")
+    return {"in_backward": in_backward, "factor_bytes": factor_bytes,
+            "warnings": [str(w.message) for w in caught]}
+
+
+def test_a_layer_that_did_not_run_does_not_hold_back_the_hand_over() -> None:
+    """Layers that did not run forward are handed over (as zeros) when the order reaches them,
+    so the buckets still travel during the backward pass."""
+    results = run_workers(handed_over_in_backward, 2, (), timeout=120)
+    for result in results:
+        assert result["in_backward"] == ["a", "b", "branch", "fc", "head", "unused"]
+        assert result["factor_bytes"] > 0
+
+
+@pytest.mark.parametrize("disabled", [("capture",), ("factors",)])
+def test_with_capture_or_factors_disabled_no_factors_move(disabled: tuple[str, ...]) -> None:
+    results = run_workers(handed_over_in_backward, 2, disabled, timeout=120)
+    for result in results:
+        assert result["in_backward"] == []
+        assert result["factor_bytes"] == 0
+        assert not any("no factors captured" in w for w in result["warnings"])
