@@ -206,12 +206,15 @@ class KFACPreconditioner:
 
     def _hand_over(self, reduction: FactorReduction, *, everything: bool) -> None:
         """Hand layers to ``reduction`` in ``_handover_order``, from the first not yet handed
-        over: each staged one, and each that did not run forward in this micro-step (nothing
-        more comes for it this step, so its pending factors, or zeros, are staged now); stop at
-        the first still waiting for its backward pass, unless ``everything``."""
+        over: each staged one, stopping at the first not staged yet, unless ``everything``
+        (then it is staged now: its factors, or zeros where this rank captured none).
+
+        A layer that did not run forward in this micro-step holds back the layers after it
+        until ``step()``: it may yet capture (a checkpointed segment's recomputation), and
+        which layers a rank ran is its own data's business."""
         for layer in self._handover_order[len(self._handed_over):]:
             if layer.name not in self._staged:
-                if layer.captured_inputs and not everything:
+                if not everything:
                     break
                 layer.stage_batch_factors(self.timer)
                 self._staged.add(layer.name)
@@ -236,7 +239,9 @@ class KFACPreconditioner:
         if reduction is None:
             return
         if self.config.factors_in_backward:
-            self._hand_over(reduction, everything=True)
+            with warnings.catch_warnings():  # these factors are discarded: zeros are no news
+                warnings.filterwarnings("ignore", message=".*no factors captured on this rank")
+                self._hand_over(reduction, everything=True)
         with self.timer.stage("factor_comm"):
             reduction.finish()()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import tempfile
@@ -70,6 +71,8 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str,
         result = fn(rank, world_size, *args, **kwargs)
         with open(os.path.join(tmp, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        dist.barrier()  # every rank done with its collectives before the groups go
+        gc.collect()  # and the objects holding them collected (as launch.cleanup() does)
     finally:
         dist.destroy_process_group()
 
