@@ -195,8 +195,7 @@ class KFACPreconditioner:
                 f"{layer.name}: backward pass {passes} of one step with accumulation_steps="
                 f"{expected}; with factors_in_backward=True, set accumulation_steps to the "
                 "number of backward passes per preconditioner step")
-        if (passes < expected or not self.strategy.communicates_factors
-                or not self._enabled("factor_comm")):
+        if passes < expected or not self._reduces_factors():
             return
         if self._backward_reduction is None:
             self._backward_reduction = self.strategy.factor_reduction()
@@ -207,11 +206,9 @@ class KFACPreconditioner:
     def _hand_over(self, reduction: FactorReduction, *, everything: bool) -> None:
         """Hand layers to ``reduction`` in ``_handover_order``, from the first not yet handed
         over: each staged one, stopping at the first not staged yet, unless ``everything``
-        (then it is staged now: its factors, or zeros where this rank captured none).
-
-        A layer that did not run forward in this micro-step holds back the layers after it
-        until ``step()``: it may yet capture (a checkpointed segment's recomputation), and
-        which layers a rank ran is its own data's business."""
+        (then it is staged now: its factors, or zeros where this rank captured none). A layer
+        not staged yet may still capture in this backward pass (a checkpointed segment's
+        recomputation), so it holds back the layers after it."""
         for layer in self._handover_order[len(self._handed_over):]:
             if layer.name not in self._staged:
                 if not everything:
@@ -233,15 +230,12 @@ class KFACPreconditioner:
         step, before the step's factors are discarded (an overflow, a skipped step): each
         rank hands over every layer it had not (what it had started depends on which layers
         it ran), so the collectives match."""
-        reduction = self._backward_reduction
-        if reduction is None and self.config.factors_in_backward and self._reduces_factors():
-            reduction = self.strategy.factor_reduction()
-        if reduction is None:
+        if not (self.config.factors_in_backward and self._reduces_factors()):
             return
-        if self.config.factors_in_backward:
-            with warnings.catch_warnings():  # these factors are discarded: zeros are no news
-                warnings.filterwarnings("ignore", message=".*no factors captured on this rank")
-                self._hand_over(reduction, everything=True)
+        reduction = self._backward_reduction or self.strategy.factor_reduction()
+        with warnings.catch_warnings():  # these factors are discarded: zeros are no news
+            warnings.filterwarnings("ignore", message=".*no factors captured on this rank")
+            self._hand_over(reduction, everything=True)
         with self.timer.stage("factor_comm"):
             reduction.finish()()
 
