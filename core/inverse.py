@@ -105,19 +105,20 @@ class _SidedState:
     @traced("state_copy")
     def set_side(self, side: str, values: Sequence[Tensor], dtype: torch.dtype | None = None
                  ) -> None:
-        """Copy a fresh decomposition of factor ``side`` into this state's tensors, kept in
-        ``dtype`` (default: the side's current dtype; another one replaces its tensors, taking
-        over ``values`` themselves where they are contiguous and of ``dtype``: fresh tensors
-        no one else writes, such as :meth:`rounded_side`'s new ones)."""
-        if dtype is not None and dtype != self.side_dtype(side):
-            for name, src in zip(self._side_fields(side), values, strict=True):
-                adopt = src.dtype == dtype and src.is_contiguous()
-                setattr(self, name, src if adopt else src.to(
-                    dtype, memory_format=torch.contiguous_format, copy=True))
-            return
-        for dst, src in zip(self.side_tensors(side), values, strict=True):
-            if dst is not src:
-                dst.copy_(src)
+        """Make a fresh decomposition of factor ``side`` this state's, kept in ``dtype``
+        (default: the side's current dtype).
+
+        ``values`` must be fresh tensors that no one else holds or writes (a decomposition's
+        outputs, :meth:`rounded_side`'s): where one is row-major and of ``dtype`` it is taken
+        over as it is, which spares a pass over the inverse's bytes per factor; otherwise it
+        is copied. Nothing keeps a state tensor across steps (a broadcast reads
+        :meth:`side_tensors` when it starts), so replacing one is safe.
+        """
+        dtype = dtype or self.side_dtype(side)
+        for name, src in zip(self._side_fields(side), values, strict=True):
+            adopt = src.dtype == dtype and src.is_contiguous()
+            setattr(self, name, src if adopt else src.to(
+                dtype, memory_format=torch.contiguous_format, copy=True))
 
     @traced("state_rounding")
     def rounded_side(self, side: str, values: Sequence[Tensor], dtype: torch.dtype

@@ -275,7 +275,9 @@ def test_a_rounding_out_of_the_narrow_range_keeps_the_side_wide(
 
 def test_set_side_takes_over_a_fresh_rounding_of_another_dtype() -> None:
     """A side kept wide whose next rounding is kept narrow: :meth:`rounded_side` rounds into
-    new tensors, which :meth:`set_side` takes over instead of copying them again."""
+    new tensors, which :meth:`set_side` takes over instead of copying them again; a fresh
+    row-major decomposition in the side's own dtype is taken over too, one of another layout
+    or dtype copied row-major into it."""
     state = make_state("inverse", [spd(5, 9, seed=10).float(), spd(3, 9, seed=11).float()])
     fresh = [torch.randn(5, 5)]
     rounded = state.rounded_side("a", fresh, torch.bfloat16)
@@ -285,3 +287,8 @@ def test_set_side_takes_over_a_fresh_rounding_of_another_dtype() -> None:
     state.set_side("a", [fresh[0].T], torch.float32)  # not contiguous: copied
     (kept,) = state.side_tensors("a")
     assert kept.is_contiguous() and torch.equal(kept, fresh[0].T)
+    same = torch.randn(5, 5)
+    state.set_side("a", [same])  # the side's own dtype (fp32 now), row-major: taken over
+    assert state.side_tensors("a")[0] is same
+    state.set_side("g", [torch.randn(3, 3, dtype=torch.float64)])
+    assert state.side_dtype("g") == torch.float32 and state.side_tensors("g")[0].is_contiguous()
