@@ -206,7 +206,9 @@ class Communicator:
 
     @classmethod
     def from_torch(cls, **options: Any) -> Communicator:
-        """On the initialised default process group (a no-op world of one if there is none)."""
+        """Over the ranks of the initialised default process group, on groups of its own
+        (:class:`TorchTransport`; a no-op world of one if there is none). Collective: every
+        rank calls it."""
         if dist.is_available() and dist.is_initialized():
             return cls(TorchTransport(), **options)
         return cls(SimulatedTransport(0, 1), **options)

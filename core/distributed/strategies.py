@@ -377,7 +377,7 @@ def make_strategy(config: KFACConfig, communicator: Communicator | None = None) 
     Args:
         config: The preconditioner configuration.
         communicator: Communicator to use (e.g. a simulated one); by default one on the
-            initialised default process group.
+            ranks of the initialised default process group (on groups of its own).
 
     Returns:
         A distributed strategy, or the single-process :class:`Strategy` when no communicator is

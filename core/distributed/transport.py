@@ -79,10 +79,20 @@ class SimulatedTransport:
 
 
 class TorchTransport:
-    """``torch.distributed`` collectives on the default process group and its sub-groups.
+    """``torch.distributed`` collectives on process groups of the library's own: one of every
+    rank, made beside the default group when this transport is, and the sub-groups
+    registered later.
+
+    Never on the default group itself: the training loop's collectives run there (DDP's
+    gradient buckets, started from autograd hooks), and collectives of one group are matched
+    across ranks by the order they start in. Factors built in the backward pass start their
+    all-reduce among DDP's buckets, in an order that differs between ranks that run
+    different layers; on a group of their own each sequence keeps its order.
 
     Works on gloo (CPU tensors) and NCCL (CUDA tensors). Uneven all-gathers are done as one
     broadcast per member (what NCCL itself does for them; gloo has no uneven all-gather).
+    Constructing one is collective: every rank does, in the same order as its other
+    ``new_group`` calls.
     """
 
     def __init__(self) -> None:
@@ -95,6 +105,7 @@ class TorchTransport:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                        else torch.device("cpu"))
         self._groups: dict[Group, dist.ProcessGroup] = {}
+        self._world = dist.new_group(list(range(self.world_size))) if self.world_size > 1 else None
 
     def register_groups(self, groups: Sequence[Group]) -> None:
         for group in groups:
@@ -103,7 +114,7 @@ class TorchTransport:
 
     def _pg(self, group: Group) -> dist.ProcessGroup | None:
         if len(group) == self.world_size:
-            return None
+            return self._world
         try:
             return self._groups[group]
         except KeyError:

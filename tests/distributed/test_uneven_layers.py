@@ -265,3 +265,42 @@ def test_reentrant_checkpointing_keeps_factors_in_backward_exact(accumulation: i
     for expected, result in zip(reference, got, strict=True):
         for name, value in expected.items():
             torch.testing.assert_close(result[name], value, rtol=1e-6, atol=1e-7)
+
+
+def ddp_routed(rank: int, world_size: int, factors_in_backward: bool) -> dict[str, object]:
+    """Under DDP (one bucket per parameter, unused parameters found), rank 0 runs the branch
+    and rank 1 does not, for three steps; factor buckets of one layer each."""
+    torch.set_num_threads(1)
+    net = model()
+    ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1e-6,
+                                              find_unused_parameters=True)
+    precond = KFACPreconditioner(net, strategy="comm-opt", factor_decay=0.5, kl_clip=None,
+                                 bucket_cap_mb=1e-6, factors_in_backward=factors_in_backward)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = data(rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # rank 1's zeros for the branch it did not run
+        for _ in range(3):
+            optimizer.zero_grad()
+            F.cross_entropy(ddp(x, branch=rank == 0), y).backward()
+            precond.step()
+            optimizer.step()
+    return {"factors": {layer.name: (layer.a.value, layer.g.value) for layer in precond.layers},
+            "weights": {name: p.detach().clone() for name, p in net.named_parameters()}}
+
+
+def test_factors_in_backward_under_ddp_with_ranks_running_different_layers() -> None:
+    """The factor buckets started in the backward pass and DDP's gradient buckets come in a
+    different order on the two ranks (rank 1 holds back the layers after the branch it did
+    not run); on one process group the collectives were matched across ranks by position,
+    so they summed unrelated buffers or aborted. The library's collectives run on a group of
+    their own: the same factors and weights as with factors built after the backward pass."""
+    after = run_workers(ddp_routed, 2, False, timeout=120)
+    during = run_workers(ddp_routed, 2, True, timeout=120)
+    for reference, got in zip(after, during, strict=True):
+        for name, (a, g) in reference["factors"].items():
+            torch.testing.assert_close(got["factors"][name][0], a)
+            torch.testing.assert_close(got["factors"][name][1], g)
+        for name, weight in reference["weights"].items():
+            torch.testing.assert_close(got["weights"][name], weight)
+    torch.testing.assert_close(during[0]["weights"]["a.weight"], during[1]["weights"]["a.weight"])
