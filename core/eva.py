@@ -42,7 +42,7 @@ from torch import Tensor
 from core.config import check_schedulable
 from core.hyper import Schedulable
 from core.inverse import kl_clip_scale
-from core.layer_base import cloned, finite_gradients, nbytes, restored, sum_of_squares
+from core.layer_base import cloned, finite_gradients, nbytes, restored, sum_of_squares, unaliased
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 from core.timing import traced
@@ -153,7 +153,8 @@ class EvaLayer(Rank1Layer):
             if value is not None and tuple(value.shape) != (dim,):
                 raise ValueError(f"{self.name}: saved vector {key} has shape "
                                  f"{tuple(value.shape)}, this layer needs {(dim,)}")
-        self.a.value, self.g.value = (restored(state[key], self.device) for key in ("a", "g"))
+        self.a.value, self.g.value = (restored(state[key], self.device, self.dtype)
+                                      for key in ("a", "g"))
         self._refresh_norm_product()
 
 
@@ -220,7 +221,7 @@ class EvaPreconditioner(Rank1Preconditioner):
             self.last_kl_scale = 1.0
             return
         values = torch.stack(sums).tolist()
-        ready = _unshared(ready)
+        ready = unaliased(ready)
         coefficients, kl_sum = [], 0.0
         for s, squared, norm_product in zip(values[0::3], values[1::3], values[2::3],
                                             strict=True):
@@ -243,23 +244,3 @@ class EvaPreconditioner(Rank1Preconditioner):
         out["kl_scale"] = self.last_kl_scale
         out["damping"] = self._damping()
         return out
-
-
-def _unshared(ready: list[tuple[EvaLayer, tuple[Tensor, Tensor | None]]]
-              ) -> list[tuple[EvaLayer, tuple[Tensor, Tensor | None]]]:
-    """``ready`` with every part whose memory an earlier layer's part also holds (a weight
-    tied between layers) replaced by a copy, before any is written: each layer's ``P`` then
-    comes from the raw gradient, and the last layer written sets the shared ``.grad``."""
-    seen: set[int] = set()
-    out = []
-    for layer, parts in ready:
-        fresh = []
-        for part in parts:
-            if part is not None:
-                if part.data_ptr() in seen:
-                    part = part.clone()
-                seen.add(part.data_ptr())
-            fresh.append(part)
-        out.append((layer, (fresh[0], fresh[1])))
-    return out
-

@@ -76,7 +76,7 @@ class SwitchEvent:
 
     Attributes:
         step: Number of losses observed when it fired (the step whose loss completed the
-            evidence; later steps are first-order).
+            evidence; that step and every later one are first-order).
         rate: The relative loss decrease per step that fell below ``threshold``.
         threshold: The threshold in force.
         window: ``w``.
@@ -166,6 +166,11 @@ class HybridSwitch:
             return
         self.last_rate = loss_decrease_rate(list(self.losses), cfg.window)
         if self.steps >= cfg.min_steps and self.last_rate < cfg.threshold:
+            # This step's captures will never be stepped: dropped now, so that a rollback
+            # (load_state_dict of an earlier state) starts clean and they hold no memory.
+            discard = getattr(self.preconditioner, "discard_pending", None)
+            if discard is not None:
+                discard()
             values = list(self.losses)
             self._switch(SwitchEvent(
                 step=self.steps, rate=self.last_rate, threshold=cfg.threshold,

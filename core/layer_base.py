@@ -101,6 +101,22 @@ class PreconditionedLayer:
         raise NotImplementedError
 
 
+def unaliased(items: Sequence[tuple[Any, tuple[Tensor | None, ...]]]
+              ) -> list[tuple[Any, tuple[Tensor | None, ...]]]:
+    """``items`` (each a layer and the gradient tensors its ``P`` is computed from) with every
+    tensor that shares memory with an earlier layer's ``.grad`` replaced by a copy, before any
+    layer writes its ``.grad``: with a weight tied between layers, each layer's ``P`` then
+    comes from the raw gradient (the last layer written sets the shared ``.grad``), not from
+    what an earlier layer wrote there in place."""
+    written: set[int] = set()
+    out = []
+    for layer, sources in items:
+        out.append((layer, tuple(t.clone() if t is not None and t.data_ptr() in written else t
+                                 for t in sources)))
+        written.update(t.data_ptr() for t in layer.helper.grad_tensors())
+    return out
+
+
 def finite_gradients(layers: Sequence[PreconditionedLayer],
                      settle: Callable[[], None] | None = None, *, parts: bool = False,
                      squared_norms: dict[str, Tensor] | None = None

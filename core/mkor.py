@@ -32,6 +32,7 @@ Where this differs from the released code (``Mohammad-Mozaffari/mkor``), on purp
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from core.config import (
 )
 from core.hyper import Schedulable
 from core.inverse import extremes
-from core.layer_base import cloned, nbytes, restored, squared_norm
+from core.layer_base import cloned, nbytes, restored, squared_norm, unaliased
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 from core.timing import traced
@@ -160,13 +161,19 @@ def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: f
     return apply_update(inverse, update_terms(inverse, v, gamma, rule, blend))
 
 
-def gradient_norm_scale(p: Tensor, grad: Tensor) -> Tensor:
+def gradient_norm_scale(p: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
     """``‖∇W̄‖ / ‖P‖``: the factor that gives ``P`` the gradient's norm, so LR schedules keep
-    their meaning. A 0-d tensor, computed without waiting for the device (no per-layer sync
-    on a GPU); 0 for a zero ``P``, which the nonsingular inverses give only for a zero
-    gradient, so ``P`` times it is the raw gradient then too."""
-    p_square = squared_norm(p)
-    return torch.where(p_square > 0, torch.sqrt(squared_norm(grad) / p_square), 0.0)
+    their meaning; and whether it can be trusted. Both 0-d tensors, computed without waiting
+    for the device (no per-layer sync on a GPU).
+
+    The scale is 0 for a zero ``P``, which the nonsingular inverses give only for a zero
+    gradient, so ``P`` times it is the raw gradient then too. It is trusted when finite, and
+    positive unless the gradient is zero: in a narrow dtype ``‖P‖²`` can underflow to 0 or
+    overflow (and ``‖∇W̄‖²`` likewise) while ``P`` and the rescaled result are ordinary
+    numbers, and a ``P`` that overflowed gives 0 too."""
+    p_square, g_square = squared_norm(p), squared_norm(grad)
+    scale = torch.where(p_square > 0, torch.sqrt(g_square / p_square), 0.0)
+    return scale, scale.isfinite() & ((scale > 0) | (g_square == 0))
 
 
 @dataclass(kw_only=True)
@@ -236,6 +243,8 @@ class MKORLayer(Rank1Layer):
         self.g_vec: Tensor | None = None
         self.stabilisations = 0
         self.update_failures = 0
+        self.wide_rescales = 0
+        self.nonfinite_preconditioned = 0
         # max |·| of each inverse in the arithmetic dtype, cached from its last update.
         self._a_peak: Tensor | None = None
         self._g_peak: Tensor | None = None
@@ -283,8 +292,24 @@ class MKORLayer(Rank1Layer):
         return inverse, peak
 
     def precondition(self, grad: Tensor) -> Tensor:
-        """``L⁻¹ ∇W̄ R⁻¹`` in the arithmetic dtype."""
-        return self.g_inv.to(self.dtype) @ grad @ self.a_inv.to(self.dtype)
+        """``L⁻¹ ∇W̄ R⁻¹`` in ``grad``'s dtype (the arithmetic dtype, or float64 for
+        :meth:`rescaled_in_float64`)."""
+        return self.g_inv.to(grad.dtype) @ grad @ self.a_inv.to(grad.dtype)
+
+    def rescaled_in_float64(self, grad: Tensor) -> Tensor | None:
+        """``P`` rescaled to ``‖∇W̄‖``, computed in float64 and returned in the arithmetic
+        dtype; None if it is not finite there. For a layer whose rescale left the arithmetic
+        dtype's range: inverses far from unit size (the paper's rule shrinks ``L⁻¹`` by about
+        ``γ`` per update; without the stabiliser they can grow) make ``‖P‖²`` underflow to 0 or
+        overflow although ``P`` and the rescaled result are ordinary numbers."""
+        wide = grad.to(torch.float64)
+        p = self.precondition(wide)
+        p_square = float(squared_norm(p))
+        if p_square > 0:
+            self.wide_rescales += 1
+            p.mul_(math.sqrt(float(squared_norm(wide)) / p_square))
+        out = p.to(self.dtype)
+        return out if bool(out.isfinite().all()) else None
 
     def memory_usage(self) -> dict[str, int]:
         return {"inverses": nbytes(self.a_inv, self.g_inv),
@@ -295,6 +320,8 @@ class MKORLayer(Rank1Layer):
             "a_inv": self.a_inv.clone(), "g_inv": self.g_inv.clone(),
             "a_vec": cloned(self.a_vec), "g_vec": cloned(self.g_vec),
             "stabilisations": self.stabilisations, "update_failures": self.update_failures,
+            "wide_rescales": self.wide_rescales,
+            "nonfinite_preconditioned": self.nonfinite_preconditioned,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -310,6 +337,8 @@ class MKORLayer(Rank1Layer):
         self.g_vec = restored(state["g_vec"], self.device)
         self.stabilisations = int(state["stabilisations"])
         self.update_failures = int(state["update_failures"])
+        self.wide_rescales = int(state.get("wide_rescales", 0))
+        self.nonfinite_preconditioned = int(state.get("nonfinite_preconditioned", 0))
 
 
 class MKORPreconditioner(Rank1Preconditioner):
@@ -356,18 +385,53 @@ class MKORPreconditioner(Rank1Preconditioner):
     def _precondition(self, grads: list[tuple[MKORLayer, Tensor]]) -> None:
         """Write each layer's ``P``, rescaled to its gradient's norm, into ``.grad`` while ``P``
         and ``∇W̄`` are still in cache (:func:`gradient_norm_scale`; ``P`` is ours, so it is
-        scaled in place or while being copied)."""
-        for layer, grad in grads:
+        scaled in place or while being copied); a gradient that a tied weight's earlier layer
+        writes is copied first (:func:`~core.layer_base.unaliased`).
+
+        Then one host transfer for all layers tells which results are not ordinary numbers: a
+        rescale that cannot be trusted (:func:`gradient_norm_scale`), or without the rescale a
+        ``P`` that is not finite. Those layers are done again in float64
+        (:meth:`MKORLayer.rescaled_in_float64`, counted in ``wide_rescales``); one still not
+        finite keeps its raw gradient, with a warning and a count
+        (``nonfinite_preconditioned``)."""
+        rescale = self.config.rescale
+        written, checks = [], []
+        for layer, (grad,) in unaliased([(layer, (grad,)) for layer, grad in grads]):
             grad = grad.to(self.dtype)
             p = layer.precondition(grad)
-            layer.helper.set_grad(p, gradient_norm_scale(p, grad) if self.config.rescale
-                                  else None)
+            if rescale:
+                scale, trusted = gradient_norm_scale(p, grad)
+                checks.append(trusted)
+            else:
+                scale = None
+                checks.append(p.sum().isfinite())
+            layer.helper.set_grad(p, scale)
+            written.append((layer, grad))
+        if not written:
+            return
+        ok = torch.stack(checks).tolist()
+        left_raw = []
+        for (layer, grad), good in zip(written, ok, strict=True):
+            if good:
+                continue
+            redone = layer.rescaled_in_float64(grad) if rescale else None
+            if redone is None:
+                layer.nonfinite_preconditioned += 1
+                left_raw.append(layer.name)
+            layer.helper.set_grad(grad.clone() if redone is None else redone)
+        if left_raw:
+            total = sum(x.nonfinite_preconditioned for x in self.layers)
+            warnings.warn(f"non-finite preconditioned gradient in {', '.join(left_raw)}; left "
+                          f"first-order this step ({total} layer-steps so far): check the "
+                          "update rule and the stabiliser (epsilon)", stacklevel=3)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, stabiliser firings and update failures."""
         out = super().metrics()
         out["stabilisations"] = float(sum(x.stabilisations for x in self.layers))
         out["update_failures"] = float(sum(x.update_failures for x in self.layers))
+        out["wide_rescales"] = float(sum(x.wide_rescales for x in self.layers))
+        out["nonfinite_preconditioned"] = float(sum(x.nonfinite_preconditioned
+                                                    for x in self.layers))
         out["stat_decay"] = self._stat_decay()
         return out
-

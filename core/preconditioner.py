@@ -365,11 +365,31 @@ class KFACPreconditioner:
         (a ``GradScaler`` that found an overflow skips ``optimizer.step()`` altogether): the
         factors its hooks captured are dropped and the step is counted, as :meth:`step` does
         with an overflow it sees."""
-        self._settle_backward_reduction()
-        for layer in self.layers:
-            layer.discard_pending()
+        self.discard_pending()
         self.skipped_overflow_steps += 1
         self._end_step()
+
+    def discard_pending(self) -> None:
+        """Forget what the hooks captured since the last step, counting nothing (a step that
+        will not be taken, such as the one on which :class:`~core.hybrid.HybridSwitch`
+        switches to first order). Collectives the backward pass started are completed first,
+        so call it on every rank alike."""
+        self._settle_backward_reduction()
+        self._forget_captures()
+
+    def _forget_captures(self) -> None:
+        """Drop every layer's captures and staged factors, and the step's record of them."""
+        for layer in self.layers:
+            layer.discard_pending()
+        self._clear_step_record()
+
+    def _clear_step_record(self) -> None:
+        """Forget the step's factor reduction and which layers were folded, staged and
+        handed over."""
+        self._backward_reduction = None
+        self._folded.clear()
+        self._staged.clear()
+        self._handed_over.clear()
 
     def _update_running_factors(self, decay: float) -> None:
         """Blend every layer's staged (and reduced) batch factors into its running averages."""
@@ -446,10 +466,7 @@ class KFACPreconditioner:
         return float(torch.stack(list(products.values())).sum())
 
     def _end_step(self) -> None:
-        self._backward_reduction = None
-        self._folded.clear()
-        self._staged.clear()
-        self._handed_over.clear()
+        self._clear_step_record()
         self.steps += 1
         self._loss_scale_cache = None
         self._capturing = self._factor_update_due(self.steps)
@@ -492,7 +509,11 @@ class KFACPreconditioner:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; the model's layers and strategy must match."""
+        """Restore :meth:`state_dict` output; the model's layers and strategy must match.
+
+        What the hooks captured since the last step is dropped (it belongs to a step the saved
+        state has not seen); a factor reduction the backward pass started is abandoned
+        unfinished, so load on every rank alike."""
         signature = self.strategy.state_signature()
         if state["signature"] != signature:
             saved = state["signature"]
@@ -521,6 +542,7 @@ class KFACPreconditioner:
                 for side in SIDES:
                     layer.state.convert_side(side, self.state_dtype)
         self.strategy.load_state_dict(state["strategy"])
+        self._forget_captures()
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
         self.nonfinite_preconditioned = int(state.get("nonfinite_preconditioned", 0))

@@ -289,10 +289,16 @@ class Rank1Preconditioner:
         (a ``GradScaler`` that found an overflow skips ``optimizer.step()`` altogether): the
         statistics its hooks captured are dropped and the step is counted, as :meth:`step`
         does with an overflow it sees."""
-        for layer in self.layers:
-            layer.discard_pending()
+        self.discard_pending()
         self.skipped_overflow_steps += 1
         self._end_step()
+
+    def discard_pending(self) -> None:
+        """Forget the statistics the hooks captured since the last step, counting nothing
+        (a step that will not be taken, such as the one on which
+        :class:`~core.hybrid.HybridSwitch` switches to first order)."""
+        for layer in self.layers:
+            layer.discard_pending()
 
     def _update_captured(self, vector: Tensor) -> None:
         """Update every layer from its slices ``ā``, ``ḡ`` of the rank-averaged ``vector``.
@@ -393,16 +399,21 @@ class Rank1Preconditioner:
         return {
             "steps": self.steps,
             "skipped_overflow_steps": self.skipped_overflow_steps,
+            "nonfinite_statistics_skips": self.nonfinite_statistics_skips,
             "layers": {layer.name: layer.state_dict() for layer in self.layers},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; the model's preconditioned layers must match."""
+        """Restore :meth:`state_dict` output; the model's preconditioned layers must match.
+        Statistics captured since the last step are dropped (they belong to a step the saved
+        state has not seen)."""
         check_saved_layers(self.layers, state["layers"])
         for layer in self.layers:
             layer.load_state_dict(state["layers"][layer.name])
+        self.discard_pending()
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
+        self.nonfinite_statistics_skips = int(state.get("nonfinite_statistics_skips", 0))
         self._capturing = self._update_due(self.steps)
 
     def remove_hooks(self) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core import ConfigError, EvaPreconditioner
+from core import ConfigError, EvaPreconditioner, MKORPreconditioner
 from core.eva import eva_precondition
 from core.layers import helper_for
 
@@ -216,6 +216,29 @@ def test_state_dict_round_trip() -> None:
     assert other.steps == 1
     with pytest.raises(ValueError, match="saved vector a has shape"):
         EvaPreconditioner(nn.Linear(3, 2, bias=False)).load_state_dict(eva.state_dict())
+
+
+@pytest.mark.parametrize("make", [EvaPreconditioner, MKORPreconditioner])
+def test_a_resumed_run_keeps_its_counters_and_takes_a_state_saved_in_another_dtype(
+        make: type) -> None:
+    """The count of skipped non-finite statistics was not saved (a resumed run reported 0),
+    and Eva kept a loaded float32 state's vectors in float32 in a float64 run, whose next
+    step then failed on the dtypes."""
+    torch.manual_seed(4)
+    model = nn.Linear(3, 2)
+    saver = make(model, dtype="float32")
+    F.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 2)).backward()
+    saver.step()
+    saver.nonfinite_statistics_skips = 2
+    wide_model = nn.Linear(3, 2).double()
+    resumed = make(wide_model, dtype="float64")
+    resumed.load_state_dict(saver.state_dict())
+    assert resumed.metrics()["nonfinite_statistics_skips"] == 2
+    F.mse_loss(wide_model(torch.randn(4, 3, dtype=torch.float64)),
+               torch.randn(4, 2, dtype=torch.float64)).backward()
+    resumed.step()
+    assert wide_model.weight.grad.dtype == torch.float64
+    assert bool(wide_model.weight.grad.isfinite().all())
 
 
 @pytest.mark.parametrize(("options", "field"), [

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import ConfigError, HybridSwitch, KFACPreconditioner, MKORPreconditioner
-from core.hybrid import loss_decrease_rate
+from core.hybrid import HybridConfig, loss_decrease_rate
 
 torch.set_num_threads(1)
 
@@ -158,6 +158,32 @@ def test_rolling_back_to_before_the_switch_runs_second_order_again(make: Any) ->
     switch.load_state_dict(saved)
     switch.config = type(switch.config)(window=1, threshold=-math.inf)  # never switch now
     assert step() and step()
+
+
+@pytest.mark.parametrize("make", REAL)
+def test_the_switching_steps_captures_are_dropped_and_a_rollback_starts_clean(make: Any) -> None:
+    """The step whose loss fires the switch captured statistics its ``step()`` never
+    consumes: they were kept, and after a rollback summed into the next update. Now they are
+    dropped at the switch, and a rollback continues exactly as the saved state loaded into a
+    fresh instance does."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    switch = HybridSwitch(make(model), window=1, threshold=math.inf, min_steps=2)
+    assert wrapped_step(model, switch)
+    saved = switch.state_dict()
+    assert not wrapped_step(model, switch) and switch.switched
+    assert switch.preconditioner.memory_usage()["buffers"] == 0
+    switch.load_state_dict(saved)
+    switch.config = HybridConfig(window=1, threshold=-math.inf)
+
+    fresh_model = nn.Linear(3, 2)
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = HybridSwitch(make(fresh_model), window=1, threshold=-math.inf)
+    fresh.load_state_dict(saved)
+    for net, wrapper in ((model, switch), (fresh_model, fresh)):
+        torch.manual_seed(1)
+        assert wrapped_step(net, wrapper)
+    torch.testing.assert_close(model.weight.grad, fresh_model.weight.grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("options", "field"), [

@@ -80,11 +80,15 @@ def test_stabiliser_blends_towards_identity_above_epsilon_only(rule: str) -> Non
 def test_rescale_takes_the_gradient_norm() -> None:
     p = torch.tensor([[3.0, 4.0]], dtype=F64)
     grad = torch.tensor([[0.0, 10.0]], dtype=F64)
-    scale = gradient_norm_scale(p, grad)
-    assert scale is not None
+    scale, trusted = gradient_norm_scale(p, grad)
     torch.testing.assert_close(scale, torch.tensor(2.0, dtype=F64))  # ‖∇W̄‖ / ‖P‖ = 10 / 5
-    zero = gradient_norm_scale(torch.zeros_like(p), torch.zeros_like(grad))
-    assert zero.item() == 0.0  # a zero P (a zero gradient) stays zero, not NaN
+    assert bool(trusted)
+    zero, trusted = gradient_norm_scale(torch.zeros_like(p), torch.zeros_like(grad))
+    assert zero.item() == 0.0 and bool(trusted)  # a zero P (a zero gradient) stays zero
+    # ‖P‖² under- and overflows fp32 for ordinary P: the scale is not trusted
+    for size in (1e-25, 1e25):
+        scale, trusted = gradient_norm_scale(torch.full((2, 2), size), torch.ones(2, 2))
+        assert not bool(trusted)
     big = torch.randn(70, 33, dtype=torch.float32)
     torch.testing.assert_close(squared_norm(big), big.double().square().sum().float())
 
@@ -265,6 +269,89 @@ def test_an_update_out_of_range_for_the_storage_dtype_is_skipped_and_counted() -
     assert mkor.metrics()["update_failures"] >= 1
     assert all(torch.isfinite(t).all() for t in (mkor.layers[0].a_inv, mkor.layers[0].g_inv))
     assert torch.isfinite(model.weight.grad).all()
+
+
+def test_a_rescale_out_of_the_arithmetic_range_is_done_again_in_float64() -> None:
+    """Inverses far from unit size (the paper's rule shrinks ``L⁻¹`` by about ``γ`` per
+    update) make ``‖P‖²`` underflow fp32 while ``P`` is an ordinary number: the rescale read
+    inf and the written gradient was inf, with no warning. Now the layer is done again in
+    float64 and gets the float64 closed form; an exact zero gradient stays zero."""
+    torch.manual_seed(14)
+    model = nn.Linear(4, 3)
+    mkor = MKORPreconditioner(model, inv_update_steps=1)
+    layer = mkor.layers[0]
+    F.mse_loss(model(torch.randn(6, 4)), torch.randn(6, 3)).backward()
+    mkor.step()  # one update, so that the statistics exist
+    layer.g_inv = layer.g_inv * 1e-20
+    layer.a_inv = layer.a_inv * 1e-20
+    model.zero_grad()
+    F.mse_loss(model(torch.randn(6, 4)), torch.randn(6, 3)).backward()
+    raw = torch.cat([model.weight.grad, model.bias.grad.reshape(-1, 1)], dim=1).double()
+    mkor._capturing = False  # precondition with these inverses, no update
+    mkor.layers[0].discard_pending()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mkor.step()
+    p = layer.g_inv.double() @ raw @ layer.a_inv.double()
+    expected = (p * raw.norm() / p.norm()).float()
+    torch.testing.assert_close(model.weight.grad, expected[:, :4])
+    torch.testing.assert_close(model.bias.grad, expected[:, 4])
+    assert mkor.metrics()["wide_rescales"] == 1 and mkor.metrics()["nonfinite_preconditioned"] == 0
+    model.weight.grad.zero_()
+    model.bias.grad.zero_()
+    mkor._capturing = False
+    mkor.step()
+    assert not model.weight.grad.any() and mkor.metrics()["wide_rescales"] == 1
+
+
+def test_a_preconditioned_gradient_beyond_the_range_keeps_the_raw_gradient_and_warns() -> None:
+    """Inverses so large that ``P`` itself overflows fp32 (no stabiliser, no rescale): the
+    layer keeps its raw gradient, with a warning and a count that a checkpoint keeps."""
+    torch.manual_seed(15)
+    model = nn.Sequential(nn.Linear(4, 3, bias=False))
+    mkor = MKORPreconditioner(model, inv_update_steps=1, rescale=False)
+    layer = mkor.layers[0]
+    layer.g_inv = torch.eye(3) * 1e30
+    layer.a_inv = torch.eye(4) * 1e30
+    mkor._capturing = False
+    F.mse_loss(model(torch.randn(6, 4)), torch.randn(6, 3)).backward()
+    raw = model[0].weight.grad.clone()
+    with pytest.warns(UserWarning, match="non-finite preconditioned gradient in 0;"):
+        mkor.step()
+    torch.testing.assert_close(model[0].weight.grad, raw)
+    assert mkor.metrics()["nonfinite_preconditioned"] == 1
+    fresh = MKORPreconditioner(nn.Sequential(nn.Linear(4, 3, bias=False)), rescale=False)
+    fresh.load_state_dict(mkor.state_dict())
+    assert fresh.metrics()["nonfinite_preconditioned"] == 1
+
+
+class _TiedMixedBias(nn.Module):
+    """One weight used by a layer with a bias and, after it, by one without."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_a_weight_tied_to_a_later_layer_without_bias_is_preconditioned_from_the_raw_gradient(
+        ) -> None:
+    """The first layer wrote its ``P`` into the shared ``.grad`` in place, and the second,
+    whose gradient is a view of that ``.grad``, preconditioned ``P`` again; now it starts from
+    the raw gradient, and (the last layer written) sets the shared ``.grad``."""
+    torch.manual_seed(16)
+    model = _TiedMixedBias().double()
+    mkor = MKORPreconditioner(model, inv_update_steps=1, dtype="float64")
+    F.mse_loss(model(torch.randn(5, 4, dtype=F64)), torch.randn(5, 4, dtype=F64)).backward()
+    raw = model.first.weight.grad.clone()
+    mkor.step()
+    second = next(layer for layer in mkor.layers if layer.name == "second")
+    p = second.g_inv @ raw @ second.a_inv
+    torch.testing.assert_close(model.second.weight.grad, p * raw.norm() / p.norm())
 
 
 class _TinyBert(nn.Module):
