@@ -26,7 +26,8 @@ Averaged over the ranks, broadcast, all-gather and reduce-scatter each come to
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import astuple, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
+from typing import Any
 
 OPS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
 
@@ -90,11 +91,15 @@ class Ledger:
         rank: The rank this ledger belongs to.
         step: Step tag given to new entries (set by the strategy from the preconditioner).
         entries: All recorded entries, in issue order.
+        carried: Per-stage totals of a run's collectives before it was resumed
+            (:meth:`load_state_dict`), which :meth:`summary` over everything includes; a
+            checkpoint keeps totals, not every entry of a long run.
     """
 
     rank: int = 0
     step: int = 0
     entries: list[LedgerEntry] = field(default_factory=list)
+    carried: dict[str, StageTotals] = field(default_factory=dict)
 
     def record(self, *, stage: str, op: str, dtype: str, elements: int, itemsize: int,
                group_size: int, traffic_bytes: int) -> LedgerEntry:
@@ -118,11 +123,26 @@ class Ledger:
                 and (op is None or e.op == op)]
 
     def summary(self, step: int | None = None) -> dict[str, StageTotals]:
-        """Totals per stage, for one step or (``step=None``) over everything recorded."""
+        """Totals per stage, for one step or (``step=None``) over everything recorded,
+        :attr:`carried` included."""
         totals: dict[str, StageTotals] = defaultdict(StageTotals)
+        if step is None:
+            for stage, carried in self.carried.items():
+                totals[stage].merge(carried)
         for entry in self.select(step=step):
             totals[entry.stage].add(entry)
         return dict(totals)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-stage totals so far (:meth:`summary`), for a checkpoint."""
+        return {"totals": {stage: asdict(t) for stage, t in self.summary().items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a resumed run's totals: :meth:`summary` over everything adds the saved
+        totals to the collectives recorded from now on (the entries recorded so far are
+        dropped: they belong to the run being resumed, which the totals already count)."""
+        self.entries.clear()
+        self.carried = {stage: StageTotals(**t) for stage, t in state["totals"].items()}
 
     def format_summary(self, step: int | None = None) -> str:
         """A printable per-stage table of :meth:`summary`."""

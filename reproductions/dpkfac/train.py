@@ -126,6 +126,20 @@ class TrainConfig:
         for name in ("momentum", "factor_decay"):
             check_number(name, getattr(self, name), low=0.0, high=1.0, high_inclusive=False)
 
+    def steps_per_epoch(self, train_size: int, world_size: int) -> int:
+        """Steps per pass over ``train_size`` images with ``world_size`` workers (the tail
+        that fills no global batch is dropped).
+
+        Raises:
+            ConfigError: if one global batch is larger than the training set.
+        """
+        steps = train_size // (self.batch_size * world_size)
+        if steps == 0:
+            raise ConfigError("batch_size", self.batch_size,
+                              f"at most {train_size // world_size} images per worker: "
+                              f"{world_size} workers share {train_size} training images")
+        return steps
+
     @classmethod
     def from_file(cls, path: Path) -> TrainConfig:
         """Read a JSON config.
@@ -209,7 +223,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     test_set = TensorDataset(*(t[:config.test_examples]
                                for t in fashion_mnist(train=False, root=data_dir).tensors))
     global_batch = config.batch_size * ctx.world_size
-    steps_per_epoch = len(train_set) // global_batch
+    steps_per_epoch = config.steps_per_epoch(len(train_set), ctx.world_size)
     total = config.epochs * steps_per_epoch
     if config.max_steps is not None:
         total = min(total, config.max_steps)
@@ -242,13 +256,15 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         stage_time.totals.update(state["stage_time"])
+        communicator.ledger.load_state_dict(state["ledger"])
         if precond is not None:
             precond.load_state_dict(state["precond"])
             precond.timer.totals.update(state["precond_stage_time"])
         restore_rng_state(state["rng"])
         step, elapsed, run_id = state["step"] + 1, state["elapsed"], state["wandb_id"]
-        if ctx.is_main:
+        if ctx.is_main:  # its records so far, under this run's settings (--max-steps)
             recorder = RunRecorder.from_data(state["results"])
+            recorder.update(config=run_config)
     tracker = Tracker(paper=PAPER, experiment=config.experiment, optimizer=name,
                       seed=config.seed, config=run_config, directory=run_dir, mode=wandb_mode,
                       run_id=run_id, enabled=ctx.is_main)
@@ -264,7 +280,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
             "step": at, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "precond": None if precond is None else precond.state_dict(),
             "rng": capture_rng_state(), "elapsed": elapsed, "wandb_id": tracker.id,
-            "stage_time": dict(stage_time.totals),
+            "stage_time": dict(stage_time.totals), "ledger": communicator.ledger.state_dict(),
             "precond_stage_time": {} if precond is None else dict(precond.timer.totals),
             "results": recorder.data if ctx.is_main else None,
             "config": recorder.data["config"]})
@@ -299,7 +315,9 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
         if ctx.is_main:
             recorder.log_step(step, **metrics)
             tracker.log(metrics, step=step)
-        end_of_epoch = (step + 1) % steps_per_epoch == 0 or step + 1 == total
+        # evaluated at epoch ends only, not where --max-steps stops the run: a continued run
+        # must record the evaluations of an uninterrupted one
+        end_of_epoch = (step + 1) % steps_per_epoch == 0
         if end_of_epoch:
             evaluation = evaluate(model, test_set, ctx)
             if ctx.is_main:
@@ -307,7 +325,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
                 tracker.log(evaluation, step=step)
                 progress.set_postfix(loss=f"{mean_loss:.3f}",
                                      acc=f"{evaluation['test_accuracy']:.4f}")
-        if end_of_epoch or (step + 1) % config.checkpoint_every == 0:
+        if end_of_epoch or step + 1 == total or (step + 1) % config.checkpoint_every == 0:
             checkpoint(step)
         step += 1
         progress.update()
@@ -328,9 +346,10 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
             ledger={k: asdict(v) for k, v in communicator.ledger.summary().items()},
             optimizer_stage_time_s=dict(stage_time.totals)
             | ({} if precond is None else dict(precond.timer.totals)),
-            summary={"final_test_accuracy": evals[-1]["test_accuracy"],
-                     "best_test_accuracy": max(e["test_accuracy"] for e in evals),
-                     "final_test_loss": evals[-1]["test_loss"],
+            summary={"final_test_accuracy": evals[-1]["test_accuracy"] if evals else None,
+                     "best_test_accuracy": max((e["test_accuracy"] for e in evals),
+                                               default=None),
+                     "final_test_loss": evals[-1]["test_loss"] if evals else None,
                      "final_train_loss": sum(losses) / len(losses) if losses else None,
                      "train_seconds": elapsed, "steps": total,
                      "epochs": total / steps_per_epoch, "world_size": ctx.world_size,
@@ -375,7 +394,11 @@ def main(argv: list[str] | None = None) -> None:
         overrides = {k: v for k, v in (("epochs", args.epochs), ("max_steps", args.max_steps))
                      if v is not None}
         config = replace(config, **overrides)
-        fashion_mnist(train=True, root=args.data_dir)  # build the cache once, before the workers
+        # the cache built once, before the workers; the batch checked against it
+        train_size = len(fashion_mnist(train=True, root=args.data_dir))
+        world_size = (int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ
+                      else args.workers)
+        config.steps_per_epoch(train_size, world_size)
         fashion_mnist(train=False, root=args.data_dir)
         options = (args.optimizer, config, args.out, args.run_dir, args.data_dir, args.wandb)
         if "RANK" in os.environ or args.workers == 1:

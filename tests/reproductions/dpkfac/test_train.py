@@ -41,7 +41,9 @@ def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert run["hardware"]["world_size"] == 2 and run["wandb"]["mode"] == "offline"
     assert {"grad_allreduce", "inverse_comm", "grad_comm"} == set(run["ledger"])
     assert run["memory"]["kfac_factors"] > 0 and run["summary"]["kfac_layers"] == 4
-    assert 0.0 <= run["summary"]["final_test_accuracy"] <= 1.0
+    # not evaluated where --max-steps stops (mid-epoch): a continued run must record what an
+    # uninterrupted one does (it had recorded an evaluation at each stop)
+    assert run["evals"] == [] and run["summary"]["final_test_accuracy"] is None
     for rank in (0, 1):
         saved = list_checkpoints(tmp_path / "run" / "checkpoints" / "fashion_mnist-dp-kfac"
                                  / f"rank{rank}")
@@ -52,6 +54,10 @@ def test_two_steps_then_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     resumed = load_results(path)
     assert [s["step"] for s in resumed["steps"]] == [0, 1, 2]
     assert resumed["steps"][:2] == run["steps"] and resumed["wandb"]["id"] == run["wandb"]["id"]
+    assert resumed["config"]["max_steps"] == 3 and resumed["evals"] == []
+    for stage, totals in run["ledger"].items():  # the collectives of all three steps
+        assert resumed["ledger"][stage]["collectives"] == totals["collectives"] * 3 // 2
+        assert resumed["ledger"][stage]["traffic_bytes"] == totals["traffic_bytes"] * 3 // 2
     for stage in ("forward_backward", "factors", "grad_comm"):  # times of the whole run
         assert resumed["optimizer_stage_time_s"][stage] > run["optimizer_stage_time_s"][stage]
 
@@ -88,3 +94,15 @@ def test_a_diverged_run_still_ends_with_a_summary(tmp_path: Path) -> None:
     assert run["finished"] and any(s["loss"] is None for s in run["steps"])
     final = run["summary"]["final_train_loss"]
     assert final is None or math.isfinite(final)
+
+
+def test_a_global_batch_larger_than_the_training_set_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It gave zero steps per epoch and an IndexError at the end of the run."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(asdict(TrainConfig(batch_size=40000))))
+    with pytest.raises(SystemExit) as info:
+        main(["--optimizer", "sgd", "--workers", "2", "--config", str(config),
+              "--out", str(tmp_path / "results"), "--run-dir", str(tmp_path / "run")])
+    assert info.value.code == 2  # argparse's code for a bad setting
+    assert "at most 30000 images per worker" in capsys.readouterr().err
