@@ -35,9 +35,16 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from core.capture import CaptureHooks
-from core.config import check_choice, check_number, check_schedulable, resolve_interval
+from core.config import (
+    check_choice,
+    check_hyper,
+    check_number,
+    check_schedulable,
+    hyper_at,
+    resolve_interval,
+)
 from core.factors import RunningFactor
-from core.hyper import Schedulable, value_at
+from core.hyper import Schedulable
 from core.inverse import DecompositionError, _with_fp64_retry
 from core.layer_base import cloned, restored
 
@@ -244,8 +251,8 @@ class BatchNormPreconditioner:
         skip_layers: Iterable[str] = (),
     ) -> None:
         check_choice("mode", mode, BN_FISHER_MODES)
-        check_schedulable("damping", damping, low=0.0, low_inclusive=False)
-        check_schedulable("factor_decay", factor_decay, low=0.0, high=1.0, high_inclusive=False)
+        check_hyper("damping", damping)
+        check_hyper("factor_decay", factor_decay)
         check_schedulable("update_steps", update_steps, low=1, integer=True)
         check_number("accumulation_steps", accumulation_steps, low=1, integer=True)
         self.mode = mode
@@ -278,8 +285,8 @@ class BatchNormPreconditioner:
         if self._capturing:
             batches = self._average_across_ranks(
                 [block.fisher.take_batch() for block in self.blocks])
-            decay = float(value_at(self.factor_decay, self.steps))
-            damping = float(value_at(self.damping, self.steps))
+            decay = hyper_at("factor_decay", self.factor_decay, self.steps)
+            damping = hyper_at("damping", self.damping, self.steps)
             for block, batch in zip(self.blocks, batches, strict=True):
                 if batch is not None:  # a layer no rank ran this step keeps its blocks
                     block.update(batch, decay, damping)

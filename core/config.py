@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from core.hyper import Schedulable
+from core.hyper import Schedulable, value_at
 
 INVERSE_METHODS = ("eigen", "inverse", "cholesky", "cholesky_solve")
 DAMPING_SPLITS = ("full", "pi")
@@ -101,6 +101,35 @@ def check_number(name: str, value: Any, **bounds: Any) -> None:
     if callable(value):
         raise ConfigError(name, value, "a number (not a callable)")
     _check_range(name, value, **bounds)
+
+
+#: The range of each schedulable hyper-parameter (keyword arguments of
+#: :func:`check_schedulable`): a constant is checked against it when the configuration is
+#: built (:func:`check_hyper`), a callable's value every time a step reads it (:func:`hyper_at`).
+HYPER_BOUNDS: dict[str, dict[str, Any]] = {
+    "damping": {"low": 0.0, "low_inclusive": False},
+    "factor_decay": {"low": 0.0, "high": 1.0, "high_inclusive": False},
+    "stat_decay": {"low": 0.0, "high": 1.0, "low_inclusive": False, "high_inclusive": False},
+    "kl_clip": {"low": 0.0, "low_inclusive": False},
+    "lr": {"low": 0.0},
+}
+
+
+def check_hyper(name: str, value: Any) -> None:
+    """:func:`check_schedulable` against ``name``'s :data:`HYPER_BOUNDS`."""
+    check_schedulable(name, value, **HYPER_BOUNDS[name])
+
+
+def hyper_at(name: str, value: Schedulable[float], step: int) -> float:
+    """``value`` (a constant or a callable of the step) at ``step``, checked against
+    ``name``'s :data:`HYPER_BOUNDS`: a schedule's value is held to the range a constant is.
+
+    Raises:
+        ConfigError: if the value is outside the range, naming the hyper-parameter.
+    """
+    resolved = value_at(value, step)
+    check_hyper(name, resolved)
+    return float(resolved)
 
 
 def check_scheduled_value(
@@ -231,9 +260,8 @@ class KFACConfig:
     factors_in_backward: bool = False
 
     def __post_init__(self) -> None:
-        check_schedulable("damping", self.damping, low=0.0, low_inclusive=False)
-        check_schedulable("factor_decay", self.factor_decay, low=0.0, high=1.0,
-                          high_inclusive=False)
+        check_hyper("damping", self.damping)
+        check_hyper("factor_decay", self.factor_decay)
         check_schedulable("factor_update_steps", self.factor_update_steps, low=1, integer=True)
         check_schedulable("inv_update_steps", self.inv_update_steps, low=1, integer=True)
         check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
@@ -246,8 +274,8 @@ class KFACConfig:
             )
         check_choice("factor_scaling", self.factor_scaling, FACTOR_SCALINGS)
         if self.kl_clip is not None:
-            check_schedulable("kl_clip", self.kl_clip, low=0.0, low_inclusive=False)
-        check_schedulable("lr", self.lr, low=0.0)
+            check_hyper("kl_clip", self.kl_clip)
+        check_hyper("lr", self.lr)
         check_skip_layers(self.skip_layers)
         check_choice("strategy", self.strategy, STRATEGIES)
         if self.grad_worker_fraction is not None:

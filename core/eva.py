@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from core.config import check_schedulable
+from core.config import check_hyper, check_schedulable
 from core.hyper import Schedulable
 from core.inverse import kl_clip_scale
 from core.layer_base import cloned, finite_gradients, nbytes, restored, sum_of_squares, unaliased
@@ -86,13 +86,12 @@ class EvaConfig(Rank1Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_schedulable("damping", self.damping, low=0.0, low_inclusive=False)
-        check_schedulable("factor_decay", self.factor_decay, low=0.0, high=1.0,
-                          high_inclusive=False)
+        check_hyper("damping", self.damping)
+        check_hyper("factor_decay", self.factor_decay)
         check_schedulable("factor_update_steps", self.factor_update_steps, low=1, integer=True)
         if self.kl_clip is not None:
-            check_schedulable("kl_clip", self.kl_clip, low=0.0, low_inclusive=False)
-        check_schedulable("lr", self.lr, low=0.0)
+            check_hyper("kl_clip", self.kl_clip)
+        check_hyper("lr", self.lr)
 
 
 class EvaLayer(Rank1Layer):
@@ -188,10 +187,10 @@ class EvaPreconditioner(Rank1Preconditioner):
         return EvaLayer(name, helper, dtype=self.dtype, grad_multiplier=self._grad_multiplier)
 
     def _damping(self) -> float:
-        return self._hyper("damping", low=0.0, low_inclusive=False)
+        return self._hyper("damping")
 
     def _update_layer(self, layer: EvaLayer, a: Tensor, g: Tensor) -> None:
-        layer.update(a, g, self._hyper("factor_decay", low=0.0, high=1.0, high_inclusive=False))
+        layer.update(a, g, self._hyper("factor_decay"))
 
     def _gradients(self) -> dict[str, Any] | None:
         """Weight and bias gradients apart (views, no copy: Eva reads and writes them in
@@ -230,8 +229,7 @@ class EvaPreconditioner(Rank1Preconditioner):
             kl_sum += (squared - coefficient * s) / damping
         scale = 1.0
         if self.config.kl_clip is not None:
-            scale = kl_clip_scale(kl_sum, self._hyper("lr", low=0.0),
-                                  self._hyper("kl_clip", low=0.0, low_inclusive=False))
+            scale = kl_clip_scale(kl_sum, self._hyper("lr"), self._hyper("kl_clip"))
         self.last_kl_scale = scale
         for (layer, parts), coefficient in zip(ready, coefficients, strict=True):
             layer.helper.add_outer_to_grad(parts, layer.g.value, layer.a.value,

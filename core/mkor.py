@@ -44,6 +44,7 @@ from torch import Tensor
 from core.config import (
     ConfigError,
     check_choice,
+    check_hyper,
     check_number,
     check_schedulable,
 )
@@ -210,8 +211,7 @@ class MKORConfig(Rank1Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_schedulable("inv_update_steps", self.inv_update_steps, low=1, integer=True)
-        check_schedulable("stat_decay", self.stat_decay, low=0.0, high=1.0,
-                          low_inclusive=False, high_inclusive=False)
+        check_hyper("stat_decay", self.stat_decay)
         check_choice("update_rule", self.update_rule, UPDATE_RULES)
         check_number("epsilon", self.epsilon, low=0.0, low_inclusive=False)
         check_number("zeta", self.zeta, low=0.0, high=1.0)
@@ -374,8 +374,7 @@ class MKORPreconditioner(Rank1Preconditioner):
                          grad_multiplier=self._grad_multiplier)
 
     def _stat_decay(self) -> float:
-        return self._hyper("stat_decay", low=0.0, high=1.0, low_inclusive=False,
-                           high_inclusive=False)
+        return self._hyper("stat_decay")
 
     def _update_layer(self, layer: MKORLayer, a: Tensor, g: Tensor) -> None:
         cfg = self.config

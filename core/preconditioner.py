@@ -20,11 +20,10 @@ from core.capture import CaptureHooks
 from core.config import (
     ConfigError,
     KFACConfig,
-    check_scheduled_value,
     config_from_options,
+    hyper_at,
     update_due,
 )
-from core.hyper import value_at
 from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_scale, kl_product
 from core.kfac_layer import KFACLayer
 from core.layer_base import check_saved_layers, finite_gradients
@@ -260,10 +259,9 @@ class KFACPreconditioner:
         return update_due("factor_update_steps", self.config.factor_update_steps, step)
 
     # The step --------------------------------------------------------------------------------
-    def _hyper(self, name: str, low: float) -> float:
-        value = value_at(getattr(self.config, name), self.steps)
-        check_scheduled_value(name, value, low=low)
-        return float(value)
+    def _hyper(self, name: str) -> float:
+        """A constant-or-scheduled config value at this step, checked against its bounds."""
+        return hyper_at(name, getattr(self.config, name), self.steps)
 
     def _enabled(self, stage: str) -> bool:
         return stage not in self.disabled_stages
@@ -286,7 +284,7 @@ class KFACPreconditioner:
         # does not read the new factors), and the running averages are updated after it.
         finish_factors: Callable[[], None] | None = None
         if self._capturing:
-            decay = self._hyper("factor_decay", 0.0)
+            decay = self._hyper("factor_decay")
             if strategy.communicates_factors:
                 reduction = (self._backward_reduction or strategy.factor_reduction()
                              if self._reduces_factors() else None)
@@ -313,7 +311,7 @@ class KFACPreconditioner:
                     with timer.stage("factors"):
                         layer.update_running_factors(decay)
 
-        damping = self._hyper("damping", 0.0)
+        damping = self._hyper("damping")
         if inverting:
             if self._enabled("inversion"):
                 with timer.stage("inversion"):
@@ -413,7 +411,7 @@ class KFACPreconditioner:
             return
         scale = 1.0
         if self.config.kl_clip is not None:
-            scale = kl_clip_scale(total, self._hyper("lr", 0.0), self._hyper("kl_clip", 0.0))
+            scale = kl_clip_scale(total, self._hyper("lr"), self._hyper("kl_clip"))
         self.last_kl_scale = scale
         for layer in self.layers:
             p = preconditioned.get(layer.name)
@@ -485,7 +483,7 @@ class KFACPreconditioner:
         (``wide_state_sides``, see ``precondition_dtype_tolerance``)."""
         out: dict[str, float] = {f"time/{k}": v for k, v in self.timer.last.items()}
         out["kl_scale"] = self.last_kl_scale
-        out["damping"] = self._hyper("damping", 0.0)
+        out["damping"] = self._hyper("damping")
         out["decomposition_failures"] = sum(x.decomposition_failures for x in self.layers)
         if self.state_dtype != self.inverse_dtype:
             out["wide_state_sides"] = sum(

@@ -30,13 +30,12 @@ from core.capture import CaptureHooks
 from core.config import (
     check_choice,
     check_number,
-    check_schedulable,
     check_skip_layers,
     config_from_options,
+    hyper_at,
     update_due,
 )
 from core.distributed.communicator import Communicator
-from core.hyper import value_at
 from core.layer_base import PreconditionedLayer, check_saved_layers, finite_gradients, nbytes
 from core.layers import LayerHelper, helper_for
 from core.preconditioner import discover_layers
@@ -341,11 +340,9 @@ class Rank1Preconditioner:
         return self.communicator.all_reduce(vector, stage="factor_comm", average=True,
                                             dtype=self.comm_dtype)
 
-    def _hyper(self, name: str, **bounds: Any) -> float:
-        """A constant-or-scheduled config value at this step, checked against ``bounds``."""
-        value = value_at(getattr(self.config, name), self.steps)
-        check_schedulable(name, value, **bounds)
-        return float(value)
+    def _hyper(self, name: str) -> float:
+        """A constant-or-scheduled config value at this step, checked against its bounds."""
+        return hyper_at(name, getattr(self.config, name), self.steps)
 
     def _update_layer(self, layer: Any, a: Tensor, g: Tensor) -> None:
         """Consume the rank-averaged vectors ``ā``, ``ḡ`` of ``layer`` on an update step."""

@@ -9,7 +9,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from core import ConfigError, KFACConfig, KFACPreconditioner
+from core import (
+    ConfigError,
+    EvaPreconditioner,
+    KFACConfig,
+    KFACPreconditioner,
+    MKORPreconditioner,
+)
+from core.batchnorm import BatchNormPreconditioner
 from core.kfac_layer import KFACLayer
 from core.strategy import FactorReduction, Strategy
 
@@ -127,11 +134,28 @@ def test_intervals_and_damping_accept_callables() -> None:
     assert precond.metrics()["damping"] == pytest.approx(5e-3)
 
 
-def test_callable_returning_bad_value_names_the_field() -> None:
-    model = mlp()
-    precond = KFACPreconditioner(model, damping=lambda s: -1.0)
-    backward(model, torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64))
-    with pytest.raises(ConfigError, match="damping"):
+@pytest.mark.parametrize(("make", "field", "bad"), [
+    (KFACPreconditioner, "damping", -1.0),
+    (KFACPreconditioner, "damping", 0.0),  # a constant 0 is refused: so is a scheduled one
+    (KFACPreconditioner, "factor_decay", 3.0),  # made A indefinite
+    (KFACPreconditioner, "factor_decay", 1.0),
+    (KFACPreconditioner, "kl_clip", 0.0),  # zeroed every preconditioned gradient
+    (EvaPreconditioner, "damping", 0.0),
+    (EvaPreconditioner, "factor_decay", 1.0),
+    (MKORPreconditioner, "stat_decay", 0.0),
+    (BatchNormPreconditioner, "damping", 0.0),
+    (BatchNormPreconditioner, "factor_decay", 1.5),
+])
+def test_a_schedule_is_held_to_the_range_of_a_constant(make: type, field: str,
+                                                       bad: float) -> None:
+    """A callable's value was checked against a looser range than a constant (only its
+    lower end, inclusively), so a schedule could run what the constant is refused for."""
+    with pytest.raises(ConfigError, match=field):
+        make(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), **{field: bad})
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()
+    precond = make(model, **{field: lambda step: bad})
+    model(torch.randn(4, 4, dtype=torch.float64)).square().sum().backward()
+    with pytest.raises(ConfigError, match=field):
         precond.step()
 
 
