@@ -121,6 +121,11 @@ class KFACPreconditioner:
         self.steps = 0
         self.skipped_overflow_steps = 0
         self.nonfinite_preconditioned = 0
+        # Whether an inversion step has run: until one has, any step with factors inverts
+        # (a skipped step 0, an AMP overflow, would otherwise leave every layer first-order
+        # until the next multiple of inv_update_steps). A function of the step sequence, so
+        # the same on every rank.
+        self._inverted = False
         self.last_kl_scale = 1.0
         self.inverse_dtype = getattr(torch, self.config.inverse_dtype)
         self.state_dtype = self.config.state_dtype
@@ -277,7 +282,9 @@ class KFACPreconditioner:
             self._end_step()
             return
 
-        inverting = update_due("inv_update_steps", cfg.inv_update_steps, step)
+        inverting = (update_due("inv_update_steps", cfg.inv_update_steps, step)
+                     or (not self._inverted and self._capturing))
+        self._inverted = self._inverted or inverting
         # Each layer's factors are handed to the reduction as soon as they are built, so the
         # first buckets travel while later layers' factors are computed. On a step that keeps
         # its inverses, the rest runs while this step's gradients are preconditioned (which
@@ -500,6 +507,7 @@ class KFACPreconditioner:
             "steps": self.steps,
             "skipped_overflow_steps": self.skipped_overflow_steps,
             "nonfinite_preconditioned": self.nonfinite_preconditioned,
+            "inverted": self._inverted,
             "signature": self.strategy.state_signature(),
             "strategy": self.strategy.state_dict(),
             "layers": {layer.name: layer.state_dict() for layer in self.layers},
@@ -544,6 +552,7 @@ class KFACPreconditioner:
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
         self.nonfinite_preconditioned = int(state.get("nonfinite_preconditioned", 0))
+        self._inverted = bool(state.get("inverted", True))
         self._capturing = self._factor_update_due(self.steps)
         self.strategy.set_step(self.steps)
 

@@ -89,3 +89,35 @@ def test_the_optimizer_wrapper_passes_skip_step_on() -> None:
     opt.skip_step()
     assert opt.preconditioner.skipped_overflow_steps == 1
     assert opt.preconditioner.steps == 1
+
+
+@pytest.mark.parametrize("how", ["skip_step", "overflow"])
+def test_a_skipped_first_step_does_not_leave_k_fac_first_order_until_the_next_interval(
+        how: str) -> None:
+    """Inverses were computed only on multiples of ``inv_update_steps``: with step 0 skipped
+    (a GradScaler's first steps often overflow) every layer stayed first-order, silently,
+    until step 10. Now the first step with factors inverts, as step 0 would have, and the
+    schedule then goes on as before; a checkpoint keeps that it has."""
+    net = model()
+    precond = KFACPreconditioner(net, inv_update_steps=10, factor_decay=0.5)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(4))
+    backward(net, x)
+    if how == "overflow":
+        net[0].weight.grad[0, 0] = float("inf")
+        precond.step()
+    else:
+        precond.skip_step()
+    assert not any(layer.has_state for layer in precond.layers)
+    backward(net, x)
+    raw = [p.grad.clone() for p in net.parameters()]
+    precond.step()
+    assert all(layer.has_state for layer in precond.layers)
+    assert all(not torch.equal(p.grad, r) for p, r in zip(net.parameters(), raw, strict=True))
+    first = [layer.state.tensors()[0].clone() for layer in precond.layers]  # type: ignore[union-attr]
+    backward(net, torch.randn(4, 4, generator=torch.Generator().manual_seed(5)))
+    precond.step()  # step 2: not an inversion step
+    for layer, before in zip(precond.layers, first, strict=True):
+        assert torch.equal(layer.state.tensors()[0], before)  # type: ignore[union-attr]
+    resumed = KFACPreconditioner(model(), inv_update_steps=10, factor_decay=0.5)
+    resumed.load_state_dict(precond.state_dict())
+    assert resumed.state_dict()["inverted"]
