@@ -141,25 +141,19 @@ class BatchNormBlock:
         self.fisher = RunningFactor()
         self.inverse: Tensor | None = None
         self.batch: Tensor | None = None
-        self._inputs: list[Tensor] = []
         self.failures = 0
         self.nonfinite_skips = 0
 
-    def capture_input(self, x: Tensor) -> None:
-        """Keep the input (a reference: autograd keeps it for BatchNorm's backward anyway).
+    def capture(self, x: Tensor, gy: Tensor) -> None:
+        """Accumulate the Fisher blocks of one forward call from its input and its output's
+        gradient (handed over together by the hook on that call's output, so each gradient
+        meets its own call's input whatever other calls did).
 
-        ``x̂`` is computed from it when the gradient arrives, as a short-lived temporary: held
-        from forward to backward it would add a copy of every BatchNorm input to the memory
-        peak (and fresh pages to fault in every step).
+        The input is a reference autograd keeps for BatchNorm's backward anyway; ``x̂`` is
+        computed from it here, as a short-lived temporary: held from forward to backward it
+        would add a copy of every BatchNorm input to the memory peak.
         """
-        self._inputs.append(x)
-
-    def capture_grad_output(self, gy: Tensor) -> None:
-        """Accumulate the Fisher blocks of the forward call this gradient belongs to.
-
-        Backward visits calls of one forward in reverse order, so the stored inputs are a stack.
-        """
-        x_hat = normalised(self._inputs.pop(), self.module.eps)
+        x_hat = normalised(x, self.module.eps)
         self.fisher.accumulate(fisher_blocks(x_hat, gy.float(), self.mode,
                                              gy.shape[0] * self.grad_multiplier))
 
@@ -270,9 +264,7 @@ class BatchNormPreconditioner:
         ]
         self._capturing = self._update_due(0)
         self._hooks = [
-            CaptureHooks(block.module, on_input=block.capture_input,
-                         on_grad_output=block.capture_grad_output,
-                         enabled=lambda: self._capturing)
+            CaptureHooks(block.module, on_pair=block.capture, enabled=lambda: self._capturing)
             for block in self.blocks
         ]
 

@@ -29,17 +29,28 @@ class CaptureHooks:
             argument, or its ``input`` keyword argument.
         on_grad_output: Called with the (detached) gradient of each call's output.
         enabled: Whether to capture the current forward/backward pass.
+        on_pair: Instead of ``on_input`` and ``on_grad_output``: called with each call's input
+            and its output's gradient together, for statistics that need the two of one call
+            (BatchNorm's normalised input times its gradient). The input is held by the hook on
+            that call's output, so a call whose output gets no gradient holds nothing once the
+            output is freed.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        on_input: Callable[[Tensor], None],
-        on_grad_output: Callable[[Tensor], None],
-        enabled: Callable[[], bool],
+        on_input: Callable[[Tensor], None] | None = None,
+        on_grad_output: Callable[[Tensor], None] | None = None,
+        enabled: Callable[[], bool] = lambda: True,
+        on_pair: Callable[[Tensor, Tensor], None] | None = None,
     ) -> None:
+        separate = on_input is not None and on_grad_output is not None
+        paired = on_pair is not None and on_input is None and on_grad_output is None
+        if separate == paired:
+            raise ValueError("give on_input and on_grad_output, or on_pair alone")
         self._on_input = on_input
         self._on_grad_output = on_grad_output
+        self._on_pair = on_pair
         self._enabled = enabled
         self._handle: RemovableHandle = module.register_forward_hook(self._forward_hook,
                                                                      with_kwargs=True)
@@ -58,11 +69,19 @@ class CaptureHooks:
             raise TypeError(f"{type(module).__name__} was called without its input as the first "
                             "positional or the `input` keyword argument; call it with the input "
                             "first, or skip this layer with skip_layers")
-        self._on_input(x.detach())
+        x = x.detach()
+        on_pair = self._on_pair
+        if on_pair is not None:
+            if output.requires_grad:
+                output.register_hook(lambda grad: on_pair(x, grad.detach()))
+            return
+        assert self._on_input is not None
+        self._on_input(x)
         if output.requires_grad:
             output.register_hook(self._grad_hook)
 
     def _grad_hook(self, grad: Tensor) -> None:
+        assert self._on_grad_output is not None
         self._on_grad_output(grad.detach())
 
     def remove(self) -> None:

@@ -111,6 +111,26 @@ def test_fisher_blocks_and_preconditioned_grads_match_dense_reference(mode: str)
         assert torch.allclose(got_p, want, rtol=1e-3, atol=1e-4)
 
 
+def test_a_call_whose_output_gets_no_gradient_is_not_paired_with_another_calls_gradient(
+        ) -> None:
+    """Inputs were kept on a stack that each gradient popped: a forward call whose output got
+    no gradient (a monitoring pass in training mode, here after the trained one) left its
+    input on top, the trained call's gradient was paired with it (Fisher off by 97%), and the
+    stack was never emptied. Each gradient now meets its own call's input."""
+    model = make_model()
+    x, y = batch()
+    reference_u = reference_per_example(model, x, y)
+    precond = BatchNormPreconditioner(model, mode="full", damping=0.1)
+    loss = F.cross_entropy(model(x), y)
+    model(torch.randn_like(x))  # its output gets no gradient
+    loss.backward()
+    precond.step()
+    for block, index in zip(precond.blocks, (1, 6), strict=True):
+        expected = reference_fisher(reference_u[index], "full")
+        got = dense_from_blocks(block.fisher.value.double(), "full", 3 if index == 1 else 4)
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", BN_FISHER_MODES)
 def test_arrange_and_split_are_inverse(mode: str) -> None:
     gamma, beta = torch.arange(4.0), torch.arange(4.0) + 10
