@@ -238,8 +238,8 @@ class KFACLayer(PreconditionedLayer):
         if self.state is None:
             self.state = self.empty_state(method, narrow, self.a.value.device)
         checked = tolerance is not None and grad is not None
-        shifts = (dict(zip(SIDES, factor_shifts(self.a.value, self.g.value, damping, split),
-                           strict=True)) if checked and narrow != dtype else {})
+        shifts = (self._effective_shifts(parts, method, damping, split)
+                  if checked and narrow != dtype else {})
         for side, values in parts.items():
             if narrow == dtype:
                 self.state.set_side(side, values, narrow)
@@ -253,6 +253,28 @@ class KFACLayer(PreconditionedLayer):
                 kept = narrow if all_finite(rounded) else dtype
             self.state.set_side(side, rounded if kept == narrow else values, kept)
         self.valid_sides.update(parts)
+
+    def _effective_shifts(self, parts: dict[str, tuple[Tensor, ...]], method: str,
+                          damping: float, split: str) -> dict[str, float]:
+        """The damping each side's own product gets, which the rounding check
+        (:func:`~core.inverse.kept_dtype`) tries a side's state with: the split's shifts,
+        except for ``eigen``, whose product divides by ``d_G d_Aᵀ + λ`` as a whole, so that in
+        the direction of the other side's eigenvalue ``d`` a side is damped by ``λ / d``: the
+        check takes the smallest, ``λ`` over the other side's largest eigenvalue (from its
+        fresh decomposition, or bounded by its factor's trace where that side is decomposed
+        on another rank). With ``λ`` itself, a large other side let a side's rounding pass
+        that moved the product by 15-120%."""
+        assert self.a.value is not None and self.g.value is not None
+        factors = {"a": self.a.value, "g": self.g.value}
+        if method != "eigen":
+            return dict(zip(SIDES, factor_shifts(factors["a"], factors["g"], damping, split),
+                            strict=True))
+        shifts = {}
+        for side, other in zip(SIDES, reversed(SIDES), strict=True):
+            largest = (float(parts[other][1].max()) if other in parts
+                       else float(torch.trace(factors[other])))
+            shifts[side] = damping / largest if largest > 0 else damping
+        return shifts
 
     @property
     def has_state(self) -> bool:
