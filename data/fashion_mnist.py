@@ -9,7 +9,6 @@ the Debian files are missing and the network works does this fall back to torchv
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 from pathlib import Path
 from typing import Any
@@ -99,7 +98,7 @@ def _load_cache(cache: Path) -> dict[str, Any]:
         if not isinstance(blob, dict) or not {"images", "labels"} <= blob.keys():
             raise KeyError("images and labels")
         return blob
-    except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as exc:
+    except Exception as exc:  # whatever torch.load raises on damaged bytes (struct.error, ...)
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CorruptDataError(cache, f"is not a readable Fashion-MNIST cache ({first_line})",
                                f"delete {cache}; the next load rebuilds it from the IDX files"
@@ -111,9 +110,13 @@ def _read_split(train: bool, cache_dir: Path) -> tuple[torch.Tensor, torch.Tenso
     source = fashion_mnist_source_dir()
     files = _idx_files(source, train)
     fix = f"apt-get install --reinstall -y dataset-fashion-mnist (files in {source})"
+    missing_fix = APT_FIX
+    if os.environ.get(SOURCE_DIR_ENV):
+        fix = missing_fix = (f"put the IDX files there, or unset ${SOURCE_DIR_ENV} to read "
+                             f"Debian's ({FASHION_MNIST_DEBIAN_DIR}: {APT_FIX})")
     if files is None:
         if not _network_available():
-            raise DataUnavailableError(f"Fashion-MNIST IDX files in {source}", APT_FIX)
+            raise DataUnavailableError(f"Fashion-MNIST IDX files in {source}", missing_fix)
         source = _download(cache_dir / "download", train)
         files = _idx_files(source, train)
         fix = f"delete {source} and run again"

@@ -17,8 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from core import KFACPreconditioner
+from core.config import ConfigError
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
+from reproductions.common.cli import exit_on_user_error, positive_int
 
 
 def small_cnn() -> nn.Module:
@@ -48,7 +50,14 @@ class RunResult:
 
 def train(name: str, train_set: TensorDataset, test_set: TensorDataset, *, steps: int,
           batch_size: int, lr: float, use_kfac: bool, seed: int = 0) -> RunResult:
-    """Train :func:`small_cnn` for ``steps`` steps and evaluate it on ``test_set``."""
+    """Train :func:`small_cnn` for ``steps`` steps and evaluate it on ``test_set``.
+
+    Raises:
+        ConfigError: if one batch is larger than the training set (no full batch to take).
+    """
+    if batch_size > len(train_set):
+        raise ConfigError("--batch-size", batch_size,
+                          f"at most {len(train_set)}, the training set's size")
     torch.manual_seed(seed)
     model = small_cnn()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
@@ -90,18 +99,21 @@ def comparison_table(results: list[RunResult]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300, help="training steps per optimizer")
-    parser.add_argument("--batch-size", type=int, default=128, help="examples per step")
+    parser.add_argument("--steps", type=positive_int, default=300,
+                        help="training steps per optimizer")
+    parser.add_argument("--batch-size", type=positive_int, default=128,
+                        help="examples per step")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (both runs)")
     add_data_dir_argument(parser)
     args = parser.parse_args(argv)
-    train_set = fashion_mnist(train=True, root=args.data_dir)
-    test_set = fashion_mnist(train=False, root=args.data_dir)
-    results = [
-        train(name, train_set, test_set, steps=args.steps, batch_size=args.batch_size,
-              lr=args.lr, use_kfac=use_kfac)
-        for name, use_kfac in (("SGD (momentum 0.9)", False), ("K-FAC + SGD", True))
-    ]
+    with exit_on_user_error(parser):
+        train_set = fashion_mnist(train=True, root=args.data_dir)
+        test_set = fashion_mnist(train=False, root=args.data_dir)
+        results = [
+            train(name, train_set, test_set, steps=args.steps, batch_size=args.batch_size,
+                  lr=args.lr, use_kfac=use_kfac)
+            for name, use_kfac in (("SGD (momentum 0.9)", False), ("K-FAC + SGD", True))
+        ]
     print(f"\nFashion-MNIST, small CNN, {args.steps} steps of batch {args.batch_size}, "
           "same seed and batches:\n")
     print(comparison_table(results))

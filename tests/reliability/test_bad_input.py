@@ -20,11 +20,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from core.config import ConfigError
+from data import fashion_mnist as fashion_mnist_module
 from data.errors import CorruptDataError, DataUnavailableError
 from data.paths import DATA_DIR_ENV
 from data.text_corpus import bert_tokenizer, wordpiece_vocab
+from reproductions import demo
 from reproductions.common.results import ResultsError, load_results
 from reproductions.dpkfac import train as dpkfac_train
 from reproductions.dpkfac.train import TrainConfig
@@ -260,15 +263,36 @@ def test_image_folder_faults_name_the_file_and_the_fix(tmp_path: Path, image_fol
     assert_data_error(*osawa_on_folder(folder, tmp_path / "out"), *needles)
 
 
+@pytest.mark.parametrize("content", [b"PK\x03\x04 a cut-off download",
+                                     b"junk"])  # torch.load raised struct.error on the latter
 def test_corrupt_fashion_mnist_cache_names_the_file(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    content: bytes) -> None:
     monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
     cache = tmp_path / "cache" / "fashion-mnist" / "train.pt"
     cache.parent.mkdir(parents=True)
-    cache.write_bytes(b"PK\x03\x04 a cut-off download")
+    cache.write_bytes(content)
     outcome, stderr = invoke(osawa_train.main, ["--out", str(tmp_path / "out"), "--wandb",
                                                 "disabled", "--max-steps", "1"])
     assert_data_error(outcome, stderr, str(cache), f"delete {cache}")
+
+
+def test_the_demo_refuses_a_batch_larger_than_the_data_and_names_missing_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--batch-size 70000`` left the loader empty and the demo looped for ever; missing
+    data ended in a traceback."""
+    data = TensorDataset(torch.zeros(100, 1, 28, 28), torch.zeros(100, dtype=torch.long))
+    with mock.patch.object(demo, "fashion_mnist", return_value=data):
+        outcome, stderr = invoke(demo.main, ["--batch-size", "101", "--steps", "1"])
+    assert_clear_error(outcome, stderr, {"--batch-size"})
+    assert "at most 100" in stderr
+    for bad in (["--batch-size", "0"], ["--steps", "0"]):
+        assert_clear_error(*invoke(demo.main, bad), {"--batch-size", "--steps"})
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(fashion_mnist_module.SOURCE_DIR_ENV, str(tmp_path / "nowhere"))
+    monkeypatch.setattr(fashion_mnist_module, "_network_available", lambda timeout=3.0: False)
+    assert_data_error(*invoke(demo.main, ["--steps", "1"]), str(tmp_path / "nowhere"),
+                      f"unset ${fashion_mnist_module.SOURCE_DIR_ENV}")
 
 
 @pytest.mark.parametrize("content", [None, b"", b" \n\n "])
