@@ -9,10 +9,12 @@ the same batches with the same seed, each second-order method feeding LAMB as th
     torchrun --nproc_per_node=4 -m reproductions.mkor.bert --config bert_large_phase2 ...
 
 Each run writes ``<out>/<experiment>/<optimizer>-s<seed>/results.json`` (schema:
-reproductions/common/README.md), atomic checkpoints next to it (``--resume`` continues), and a
-W&B run (offline unless logged in). The closing table gives each optimizer's steps and time to
-LAMB's final loss. Settings come from a config file (``--config``) plus the flags below and
-``--set key=value``; the config fields are listed at the end of ``--help``.
+reproductions/common/README.md), atomic checkpoints of each rank next to it under
+``checkpoints/rank-<r>/`` (``--resume`` continues; so does a worker group that ``torchrun
+--max-restarts`` restarted after a failure), and a W&B run (offline unless logged in). The
+closing table gives each optimizer's steps and time to LAMB's final loss. Settings come from a
+config file (``--config``) plus the flags below and ``--set key=value``; the config fields are
+listed at the end of ``--help``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from core.rank1 import BERT_DECODER_PATTERN, Rank1Preconditioner
 from data.atomic import atomic_directory
 from data.paths import add_data_dir_argument
 from reproductions.common.checkpoint import (
-    load_latest_checkpoint,
+    load_agreed_checkpoint,
     require_same_config,
     save_checkpoint,
 )
@@ -113,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("runs/mkor"),
                         help="output directory (results, checkpoints, W&B files)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue each run from its newest checkpoint; finished runs are "
-                             "kept; without it, earlier checkpoints of these runs are deleted")
+                        help="continue each run from its newest checkpoint (implied after a "
+                             "torchrun restart); finished runs are kept; without it, earlier "
+                             "checkpoints of these runs are deleted")
     parser.add_argument("--stop-after", type=positive_int, metavar="N", dest="stop_after",
                         help="stop each run after N steps of this invocation, with a "
                              "checkpoint (for wall-time-limited jobs; continue with --resume)")
@@ -334,20 +337,29 @@ def run_dir(out: Path, cfg: PretrainConfig, name: str) -> Path:
 
 def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Namespace,
           examples: tuple[Any, Any], tokenizer: Any) -> dict[str, Any]:
-    """Train with optimizer ``name`` for ``cfg.steps`` steps; returns the results data."""
+    """Train with optimizer ``name`` for ``cfg.steps`` steps; returns the results data.
+
+    Every rank checkpoints its own state (K-FAC's distributed strategies keep per-rank state)
+    under ``checkpoints/rank-<r>``; a resumed run (``--resume``, or any run after ``torchrun``
+    restarted the worker group) continues on every rank from the newest step all ranks saved.
+    """
     here = run_dir(args.out, cfg, name)
-    ckpt_dir = here / "checkpoints"
+    ckpt_dir = here / "checkpoints" / f"rank-{ctx.rank}"
     results_path = here / "results.json"
     run_config = {**cfg.to_dict(), "optimizer": name}
-    if args.resume and results_path.exists():
+    resume = args.resume or ctx.restarts > 0
+    if resume and results_path.exists():
         done = load_results(results_path)
         require_same_config(done["config"], run_config, here, together=False, **RESUME_CHECK)
         if done["finished"] and done["steps"] and done["steps"][-1]["step"] == cfg.steps - 1:
             return done
-    if not args.resume and ctx.is_main:
-        for stale in (ckpt_dir, here / "model"):
-            if stale.exists():
-                shutil.rmtree(stale)
+    if not resume:  # a fresh run: older checkpoints (of any rank and world size) outrank its own
+        if ctx.is_main:
+            for stale in (here / "checkpoints", here / "model"):
+                if stale.exists():
+                    shutil.rmtree(stale)
+        if ctx.world_size > 1:
+            torch.distributed.barrier()  # no rank saves before they are gone
 
     # Same weights, batches, masks and dropout for every optimizer.
     seed_everything(cfg.seed)
@@ -375,7 +387,8 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     ledger: dict[str, dict[str, int]] = {}
 
     start, wandb_id = 0, None
-    state = load_latest_checkpoint(ckpt_dir, map_location=ctx.device) if args.resume else None
+    earlier_stages: dict[str, float] = {}  # the stage times of the steps before a resume
+    state = load_agreed_checkpoint(ckpt_dir, map_location=ctx.device) if resume else None
     if state is not None:
         require_same_config(state["results"]["config"], run_config, ckpt_dir, **RESUME_CHECK)
         raw_model.load_state_dict(state["model"])
@@ -385,23 +398,27 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         restore_rng_state(state["rng"])
         recorder = RunRecorder.from_data(state["results"])
         ledger = state["ledger"]
-        base_time["base_step"] = state["base_step_s"]
+        earlier_stages = state["stage_time_s"]
         start, wandb_id = state["step"], state["wandb_id"]
+        if ctx.is_main:
+            restart = f"restart {ctx.restarts}: " if ctx.restarts else ""
+            tqdm.write(f"{restart}{cfg.experiment} {name}: resuming from the checkpoint of step "
+                       f"{start}", file=sys.stderr)
     tracker = Tracker(paper=PAPER, experiment=cfg.experiment, optimizer=name, seed=cfg.seed,
                       config=recorder.data["config"], directory=args.out / cfg.experiment,
                       mode=args.wandb, run_id=wandb_id, enabled=ctx.is_main)
     recorder.update(wandb=tracker.info())
 
     def checkpoint(step: int) -> None:
-        """Results file and checkpoint after ``step`` steps (rank 0 writes)."""
-        if not ctx.is_main:
-            return
-        recorder.write(results_path)
+        """This rank's checkpoint after ``step`` steps, and the results file (rank 0's)."""
+        if ctx.is_main:
+            recorder.write(results_path)
         save_checkpoint(ckpt_dir, step, {
             "step": step, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
             "rng": capture_rng_state(), "results": recorder.data, "wandb_id": tracker.id,
-            "ledger": ledger, "base_step_s": base_time["base_step"]})
+            "ledger": ledger, "stage_time_s": stage_times(optimizer, base_time, earlier_stages),
+            "world_size": ctx.world_size})
 
     end = cfg.steps if args.stop_after is None else min(cfg.steps, start + args.stop_after)
     progress = tqdm(range(start, end), initial=start, total=cfg.steps, disable=not ctx.is_main,
@@ -453,8 +470,8 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
             tracker.log({f"eval/{k}": v for k, v in scores.items()}, step=step)
         if done % cfg.checkpoint_every == 0 or done == end:
             if done == cfg.steps:
-                _finalise(recorder, tracker, optimizer, raw_model, ctx, cfg, base_time,
-                          ledger)
+                _finalise(recorder, tracker, optimizer, raw_model, ctx, cfg,
+                          stage_times(optimizer, base_time, earlier_stages), ledger)
                 if ctx.is_main:
                     with atomic_directory(here / "model") as tmp:
                         raw_model.save_pretrained(tmp)
@@ -465,13 +482,27 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     return recorder.data
 
 
+def stage_times(optimizer: SecondOrderOptimizer, base_time: dict[str, float],
+                earlier: dict[str, float]) -> dict[str, float]:
+    """Seconds per optimizer stage over the whole run, the first-order step's as ``base_step``.
+
+    The preconditioner's timer and ``base_time`` count this process's steps only; ``earlier``
+    (the totals a resumed run's checkpoint carried, else empty) adds those of the steps before,
+    so a resumed run reports what an uninterrupted one would.
+    """
+    precond = preconditioner_of(optimizer)
+    now = {**(precond.timer.totals if precond is not None else {}), **base_time}
+    totals = dict(earlier)
+    for stage, seconds in now.items():
+        totals[stage] = totals.get(stage, 0.0) + seconds
+    return totals
+
+
 def _finalise(recorder: RunRecorder, tracker: Tracker, optimizer: SecondOrderOptimizer,
               model: torch.nn.Module, ctx: DistContext, cfg: PretrainConfig,
-              base_time: dict[str, float], ledger: dict[str, dict[str, int]]) -> None:
-    """Stage times, memory, ledger and summary of a completed run."""
-    precond = preconditioner_of(optimizer)
-    stages = dict(precond.timer.totals) if precond is not None else {}
-    stages["base_step"] = base_time["base_step"]
+              stages: dict[str, float], ledger: dict[str, dict[str, int]]) -> None:
+    """Stage times (``stages``, of the whole run), memory, ledger and summary of a completed
+    run."""
     steps = recorder.data["steps"]
     tail = [s["loss"] for s in steps[-cfg.smooth_window:] if s["loss"] is not None]
     evals = recorder.data["evals"]
@@ -509,7 +540,7 @@ def prepare_examples(cfg: PretrainConfig, ctx: DistContext, args: argparse.Names
 
 def warm_start(cfg: PretrainConfig, ctx: DistContext, args: argparse.Namespace
                ) -> Path | None:
-    """Run (or, with ``--resume``, reuse) the LAMB warm start.
+    """Run (or, resuming, reuse) the LAMB warm start.
 
     Returns:
         The directory of its final model (``save_pretrained`` format), or None when it was

@@ -4,7 +4,8 @@ A pre-trained model directory (``<out>/<experiment>/<optimizer>-s<seed>/model``,
 ``reproductions.mkor.bert``: ``save_pretrained`` weights plus the tokenizer) is fine-tuned with
 AdamW and a linear warm-up/decay schedule, evaluated after every epoch, and recorded like every
 other run: one results file (``kfac-repro/results/v1``, experiment = the task, optimizer = the
-pre-trained model's label) and a W&B run.
+pre-trained model's label) and a W&B run. A missing model directory or data file, or an invalid
+number, ends the command with one line that says what to fix.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from datasets import Dataset
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
-from transformers import get_linear_schedule_with_warmup
+from transformers import AutoTokenizer, PreTrainedModel, get_linear_schedule_with_warmup
 
 from core.optim import build_first_order
+from data.errors import DataUnavailableError
+from reproductions.common.cli import positive_int
 from reproductions.common.launch import init_distributed, seed_everything
 from reproductions.common.results import RunRecorder
 from reproductions.common.tracking import Tracker, add_wandb_argument
+from reproductions.mkor.model import describe_load_error
 
 PAPER = "mkor"
 
@@ -45,22 +49,49 @@ def add_finetune_arguments(parser: argparse.ArgumentParser, *, lr: float, epochs
                         help="output directory of results files and W&B runs")
     parser.add_argument("--lr", type=float, default=lr, help=f"AdamW peak learning rate "
                                                              f"(default {lr})")
-    parser.add_argument("--epochs", type=int, default=epochs,
+    parser.add_argument("--epochs", type=positive_int, default=epochs,
                         help=f"training epochs (default {epochs})")
-    parser.add_argument("--batch-size", type=int, default=batch_size,
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
                         help=f"examples per step (default {batch_size})")
-    parser.add_argument("--max-seq-len", type=int, default=max_seq_len,
+    parser.add_argument("--max-seq-len", type=positive_int, default=max_seq_len,
                         help=f"tokens per example (default {max_seq_len})")
     parser.add_argument("--warmup", type=float, default=0.1,
                         help="fraction of steps with a linear warm-up (default 0.1)")
     parser.add_argument("--weight-decay", type=float, default=0.01,
                         help="AdamW weight decay, not on biases and LayerNorms (default 0.01)")
-    parser.add_argument("--max-steps", type=int,
+    parser.add_argument("--max-steps", type=positive_int,
                         help="stop after this many steps (smoke tests; default: all epochs)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="compute device (default: the GPU when there is one)")
     add_wandb_argument(parser)
+
+
+def load_pretrained(path: Path, model_class: type[PreTrainedModel], **options: Any
+                    ) -> tuple[Any, PreTrainedModel]:
+    """The tokenizer and the task model (``model_class``) of a pre-trained model directory.
+
+    Args:
+        path: The ``--model`` directory (``save_pretrained`` weights and tokenizer).
+        model_class: The task's model, e.g. ``BertForSequenceClassification``.
+        **options: Passed to ``model_class.from_pretrained`` (e.g. ``num_labels``).
+
+    Raises:
+        DataUnavailableError: ``path`` is not a directory, or transformers cannot read a
+            tokenizer and weights from it (the message names it and where such a directory
+            comes from).
+    """
+    fix = ("pass --model the model directory that python -m reproductions.mkor.bert wrote, "
+           "<out>/<experiment>/<optimizer>-s<seed>/model")
+    if not path.is_dir():
+        raise DataUnavailableError(f"the pre-trained model directory {path}", fix)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = model_class.from_pretrained(path, local_files_only=True, **options)
+    except (OSError, ValueError) as exc:  # transformers' errors for missing or foreign files
+        raise DataUnavailableError(f"a tokenizer and weights in {path} "
+                                   f"({describe_load_error(exc)})", fix) from None
+    return tokenizer, model
 
 
 def fine_tune(model: nn.Module, train: Dataset, collate: Callable[[list[dict]], dict[str, Any]],

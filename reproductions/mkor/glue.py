@@ -25,9 +25,11 @@ from typing import Any
 import torch
 from datasets import Dataset
 from torch import nn
-from transformers import AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding
+from transformers import BertForSequenceClassification, DataCollatorWithPadding
 
-from reproductions.mkor.finetune import add_finetune_arguments, fine_tune
+from data.errors import CorruptDataError, DataUnavailableError
+from reproductions.common.cli import exit_on_user_error
+from reproductions.mkor.finetune import add_finetune_arguments, fine_tune, load_pretrained
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,14 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
     reference loaders do.
 
     Raises:
-        FileNotFoundError: the file is missing (the message names it).
-        ValueError: a named column is missing or a label is not one of the task's.
+        DataUnavailableError: the file is missing (the message names it).
+        CorruptDataError: a named column is missing, a label is not one of the task's, or the
+            file holds no examples.
     """
+    fix = (f"--data-dir must hold the official GLUE folders ({task.folder}/train.tsv, "
+           f"{task.folder}/{task.dev_file}) as download_glue_data.py writes them")
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --data-dir must hold the official GLUE "
-                                f"folders ({task.folder}/train.tsv, {task.folder}/"
-                                f"{task.dev_file})")
+        raise DataUnavailableError(str(path), fix)
     with path.open(encoding="utf-8-sig", newline="") as handle:
         rows = list(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
     header, body = (rows[0], rows[1:]) if task.header else ([], rows)
@@ -94,7 +97,7 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
         if isinstance(column, int):
             return column
         if column not in header:
-            raise ValueError(f"{path}: no column {column!r} (header: {header})")
+            raise CorruptDataError(path, f"no column {column!r} (header: {header})", fix)
         return header.index(column)
 
     text = [index(c) for c in task.text]
@@ -112,12 +115,15 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
         elif value in task.labels:
             out["label"].append(task.labels.index(value))
         else:
-            raise ValueError(f"{path}:{number}: label {value!r} is not one of {task.labels}")
+            raise CorruptDataError(f"{path}:{number}",
+                                   f"label {value!r} is not one of {task.labels}", fix)
         out["text_a"].append(row[text[0]])
         out["text_b"].append(row[text[1]] if len(text) > 1 else None)
     if short:
         warnings.warn(f"{path}: skipped {len(short)} rows with fewer than {width} columns "
                       f"(lines {short[:5]}{' ...' if len(short) > 5 else ''})", stacklevel=2)
+    if not out["label"]:
+        raise CorruptDataError(path, "no examples", fix)
     return out
 
 
@@ -141,17 +147,25 @@ def score(metric: str, predictions: list[float], labels: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Fine-tune on one task and score its dev set; returns the results data."""
+    """Fine-tune on one task and score its dev set; returns the results data.
+
+    An invalid number exits with status 2, a missing or unreadable model directory or data file
+    with status 1, each with one line naming the fix (no traceback).
+    """
     parser = argparse.ArgumentParser(prog="python -m reproductions.mkor.glue",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=list(TASKS), required=True, help="the GLUE task")
     add_finetune_arguments(parser, lr=2e-5, epochs=3, batch_size=32, max_seq_len=128)
     args = parser.parse_args(argv)
-    task = TASKS[args.task]
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    model = BertForSequenceClassification.from_pretrained(
-        args.model, num_labels=len(task.labels) if task.labels else 1, local_files_only=True)
+    with exit_on_user_error(parser):
+        return _fine_tune_task(TASKS[args.task], args)
+
+
+def _fine_tune_task(task: GlueTask, args: argparse.Namespace) -> dict[str, Any]:
+    """The body of :func:`main`: the model, the features of both splits, fine-tuning."""
+    tokenizer, model = load_pretrained(args.model, BertForSequenceClassification,
+                                       num_labels=len(task.labels) if task.labels else 1)
 
     def features(split: str) -> Dataset:
         data = read_split(args.data_dir / task.folder / split, task)

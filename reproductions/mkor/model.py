@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import BertConfig, BertForPreTraining
 
+from data.errors import DataUnavailableError
+from reproductions.common.checkpoint import CheckpointError
 from reproductions.mkor.config import MODEL_PRESETS
 
 MAX_POSITIONS = 512
@@ -47,27 +49,61 @@ def build_model(preset: str, vocab_size: int, dropout: float,
             warm start's or phase 1's final weights); None keeps the random initialisation.
 
     Raises:
-        FileNotFoundError: ``init_checkpoint`` does not exist.
-        ValueError: its weights do not fit the preset (the message lists the mismatches).
+        DataUnavailableError: ``init_checkpoint`` does not exist.
+        CheckpointError: it cannot be read, or its weights do not fit the preset and vocabulary
+            (the message lists the mismatches).
     """
     model = BertForPreTraining(bert_config(preset, vocab_size, dropout))
     if init_checkpoint is None:
         return model
     path = Path(init_checkpoint).expanduser()
-    if path.is_dir():
-        state = BertForPreTraining.from_pretrained(path, local_files_only=True).state_dict()
-    elif path.is_file():
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(f"init_checkpoint {path} does not exist")
+    fix = (f"pass --init-checkpoint a save_pretrained directory or a torch.save'd state dict of "
+           f"a {preset!r} BERT with this tokenizer (config field init_checkpoint)")
+    if not path.exists():
+        raise DataUnavailableError(f"init_checkpoint {path}", fix)
+    state = _read_weights(path, fix)
     own = model.state_dict()
-    bad = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+    bad = [k for k, v in state.items()
+           if k in own and not (isinstance(v, Tensor) and own[k].shape == v.shape)]
     missing = sorted(set(own) - set(state))
     if bad or missing:
-        raise ValueError(f"{path} does not fit model {preset!r}: shape mismatches {bad[:5]}, "
-                         f"missing {missing[:5]}")
+        raise CheckpointError(f"init_checkpoint {path} does not fit model {preset!r}: shape "
+                              f"mismatches {bad[:5]}, missing {missing[:5]}; {fix}")
     model.load_state_dict(state, strict=False)
     return model
+
+
+def _read_weights(path: Path, fix: str) -> dict[str, Tensor]:
+    """The state dict of an existing ``save_pretrained`` directory or ``.pt`` file.
+
+    Any failure to read it (no weights in the directory, a damaged or foreign file, a file
+    holding something other than a dict) comes from the user's file, not from a bug, so it is
+    reported in one line.
+
+    Raises:
+        CheckpointError: naming ``path``, why it cannot be read, and ``fix``.
+    """
+    try:
+        if path.is_dir():
+            return BertForPreTraining.from_pretrained(path, local_files_only=True).state_dict()
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # whatever the loader raises, the file is not usable weights
+        raise CheckpointError(f"init_checkpoint {path} cannot be loaded "
+                              f"({describe_load_error(exc)}); {fix}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"init_checkpoint {path} holds a {type(state).__name__}, not a "
+                              f"state dict; {fix}")
+    return state
+
+
+def describe_load_error(exc: Exception) -> str:
+    """``"<type>: <first sentence>"`` of an error that torch or transformers raised loading a file.
+
+    The first sentence says what failed; the next ones advise the loader's own callers (e.g. to
+    load without ``weights_only``), not the person running a command, so they are left out.
+    """
+    first = (str(exc).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def pretraining_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:

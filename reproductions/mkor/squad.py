@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from datasets import Dataset
 from torch import nn
-from transformers import AutoTokenizer, BertForQuestionAnswering, default_data_collator
+from transformers import BertForQuestionAnswering, default_data_collator
 
-from reproductions.mkor.finetune import add_finetune_arguments, fine_tune
+from data.errors import CorruptDataError, DataUnavailableError
+from reproductions.common.cli import exit_on_user_error
+from reproductions.mkor.finetune import add_finetune_arguments, fine_tune, load_pretrained
 
 MAX_ANSWER_TOKENS = 30
 
@@ -38,21 +40,26 @@ def read_squad(path: Path) -> list[dict[str, Any]]:
     ``answer_start`` (character offset of the first answer).
 
     Raises:
-        FileNotFoundError: the file is missing (the message names the expected files).
-        ValueError: the file is not SQuAD v1.1 JSON.
+        DataUnavailableError: the file is missing (the message names the expected files).
+        CorruptDataError: the file is not SQuAD v1.1 JSON or holds no questions.
     """
+    fix = "--data-dir must hold the official train-v1.1.json and dev-v1.1.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: --data-dir must hold the official "
-                                "train-v1.1.json and dev-v1.1.json")
+        raise DataUnavailableError(str(path), fix)
     try:
         articles = json.loads(path.read_text(encoding="utf-8"))["data"]
-        return [{"id": qa["id"], "question": qa["question"], "context": paragraph["context"],
-                 "answers": [a["text"] for a in qa["answers"]],
-                 "answer_start": qa["answers"][0]["answer_start"]}
-                for article in articles for paragraph in article["paragraphs"]
-                for qa in paragraph["qas"]]
+        questions = [{"id": qa["id"], "question": qa["question"],
+                      "context": paragraph["context"],
+                      "answers": [a["text"] for a in qa["answers"]],
+                      "answer_start": qa["answers"][0]["answer_start"]}
+                     for article in articles for paragraph in article["paragraphs"]
+                     for qa in paragraph["qas"]]
     except (KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not SQuAD v1.1 JSON ({type(exc).__name__}: {exc})") from None
+        raise CorruptDataError(path, f"not SQuAD v1.1 JSON ({type(exc).__name__}: {exc})",
+                               fix) from None
+    if not questions:
+        raise CorruptDataError(path, "no questions", fix)
+    return questions
 
 
 def normalize_answer(text: str) -> str:
@@ -134,7 +141,11 @@ def best_spans(start_logits: torch.Tensor, end_logits: torch.Tensor,
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Fine-tune on SQuAD v1.1 train and score dev; returns the results data."""
+    """Fine-tune on SQuAD v1.1 train and score dev; returns the results data.
+
+    An invalid number exits with status 2, a missing or unreadable model directory or data file
+    with status 1, each with one line naming the fix (no traceback).
+    """
     parser = argparse.ArgumentParser(prog="python -m reproductions.mkor.squad",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,8 +153,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--doc-stride", type=int, default=128,
                         help="tokens shared by consecutive context windows (default 128)")
     args = parser.parse_args(argv)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    model = BertForQuestionAnswering.from_pretrained(args.model, local_files_only=True)
+    with exit_on_user_error(parser):
+        return _fine_tune_squad(args)
+
+
+def _fine_tune_squad(args: argparse.Namespace) -> dict[str, Any]:
+    """The body of :func:`main`: the model, the training windows and dev set, fine-tuning."""
+    tokenizer, model = load_pretrained(args.model, BertForQuestionAnswering)
     train = training_features(tokenizer, read_squad(args.data_dir / "train-v1.1.json"),
                               args.max_seq_len, args.doc_stride)
     dev_questions = read_squad(args.data_dir / "dev-v1.1.json")

@@ -62,13 +62,57 @@ def test_glue_rte_cola_and_stsb(model_dir: Path, tmp_path: Path) -> None:
         load_results(tmp_path / "o" / f"glue-{task}" / "mkor-s0" / "results.json")
 
 
-def test_glue_errors_name_the_file(model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"MRPC/train.tsv"):
-        glue.main(["--task", "mrpc", *common_args(tmp_path, model_dir, tmp_path / "o")])
+def one_error_line(capsys: pytest.CaptureFixture[str], prog: str) -> str:
+    """The single ``<prog>: error: ...`` line on stderr, checked to come without a traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith(f"{prog}: error: ")]
+    return line
+
+
+def test_glue_data_errors_end_in_one_line_naming_the_file(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing TSV, a foreign label and a file without examples: status 1, the file and fix."""
     write_tsv(tmp_path / "RTE" / "train.tsv", [["index", "sentence1", "sentence2", "label"],
                                                ["0", "a", "b", "maybe"]])
-    with pytest.raises(ValueError, match=r"train.tsv:2: label 'maybe'"):
-        glue.main(["--task", "rte", *common_args(tmp_path, model_dir, tmp_path / "o")])
+    write_tsv(tmp_path / "SST-2" / "train.tsv", [["sentence", "label"]])
+    for task, text in (("mrpc", "MRPC/train.tsv is not available. Fix: --data-dir must hold"),
+                       ("rte", "RTE/train.tsv:2: label 'maybe' is not one of"),
+                       ("sst2", "SST-2/train.tsv: no examples. Fix: --data-dir must hold")):
+        with pytest.raises(SystemExit) as info:
+            glue.main(["--task", task, *common_args(tmp_path, model_dir, tmp_path / "o")])
+        assert info.value.code == 1, task
+        assert text in one_error_line(capsys, "python -m reproductions.mkor.glue"), task
+
+
+def test_finetuning_refuses_a_missing_model_in_one_line(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No directory, or one without a tokenizer and weights: status 1, naming it and the fix."""
+    (tmp_path / "empty").mkdir()
+    for model in (tmp_path / "nonexistent", tmp_path / "empty"):
+        for entry in (glue, squad):
+            task = ["--task", "rte"] if entry is glue else []
+            with pytest.raises(SystemExit) as info:
+                entry.main([*task, *common_args(tmp_path, model, tmp_path / "o")])
+            assert info.value.code == 1
+            line = one_error_line(capsys, f"python -m {entry.__name__}")
+            assert str(model) in line and "Fix: pass --model the model directory" in line
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--epochs", "0"), ("--epochs", "-1"), ("--batch-size", "0"), ("--max-seq-len", "0"),
+    ("--max-steps", "0")])
+def test_finetuning_refuses_counts_below_one(option: str, value: str, model_dir: Path,
+                                             tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's exit (status 2, one line naming the option) before anything is loaded."""
+    for entry in (glue, squad):
+        task = ["--task", "rte"] if entry is glue else []
+        with pytest.raises(SystemExit) as info:
+            entry.main([*task, *common_args(tmp_path, model_dir, tmp_path / "o"), option, value])
+        assert info.value.code == 2
+        line = one_error_line(capsys, f"python -m {entry.__name__}")
+        assert f"argument {option}: {value} is not >= 1" in line
 
 def test_glue_files_as_distributed_mrpc_bom_and_qqp_short_rows(tmp_path: Path) -> None:
     """MRPC's official files start with a byte-order mark, QQP's training file has rows with
