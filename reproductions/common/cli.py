@@ -15,7 +15,8 @@ Any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from core.config import ConfigError
@@ -35,6 +36,29 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
     return value
+
+
+def float_in(low: float, high: float = math.inf, *, low_inclusive: bool = True
+             ) -> Callable[[str], float]:
+    """An argparse ``type`` for a float option in ``[low, high]`` (``(low, high]`` without
+    ``low_inclusive``): a learning rate > 0, a fraction in [0, 1].
+
+    The returned parser raises :class:`argparse.ArgumentTypeError` (argparse names the option)
+    for text that is not such a number.
+    """
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        above = value >= low if low_inclusive else value > low
+        if not (above and value <= high and math.isfinite(value)):
+            span = f"{'[' if low_inclusive else '('}{low}, {high}]" if math.isfinite(high) else (
+                f"{'>=' if low_inclusive else '>'} {low}")
+            raise argparse.ArgumentTypeError(f"{value} is not {span}")
+        return value
+
+    return parse
 
 
 @contextmanager

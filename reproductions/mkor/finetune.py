@@ -24,9 +24,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, get_linear_schedule_with_warmup
 
+from core.config import ConfigError
 from core.optim import build_first_order
 from data.errors import DataUnavailableError
-from reproductions.common.cli import positive_int
+from reproductions.common.cli import float_in, positive_int
 from reproductions.common.launch import init_distributed, seed_everything
 from reproductions.common.results import RunRecorder
 from reproductions.common.tracking import Tracker, add_wandb_argument
@@ -47,17 +48,17 @@ def add_finetune_arguments(parser: argparse.ArgumentParser, *, lr: float, epochs
                                         "(default: the model directory's parent, e.g. mkor-s0)")
     parser.add_argument("--out", type=Path, default=Path("runs/mkor/finetune"),
                         help="output directory of results files and W&B runs")
-    parser.add_argument("--lr", type=float, default=lr, help=f"AdamW peak learning rate "
-                                                             f"(default {lr})")
+    parser.add_argument("--lr", type=float_in(0.0, low_inclusive=False), default=lr,
+                        help=f"AdamW peak learning rate (default {lr})")
     parser.add_argument("--epochs", type=positive_int, default=epochs,
                         help=f"training epochs (default {epochs})")
     parser.add_argument("--batch-size", type=positive_int, default=batch_size,
                         help=f"examples per step (default {batch_size})")
     parser.add_argument("--max-seq-len", type=positive_int, default=max_seq_len,
                         help=f"tokens per example (default {max_seq_len})")
-    parser.add_argument("--warmup", type=float, default=0.1,
+    parser.add_argument("--warmup", type=float_in(0.0, 1.0), default=0.1,
                         help="fraction of steps with a linear warm-up (default 0.1)")
-    parser.add_argument("--weight-decay", type=float, default=0.01,
+    parser.add_argument("--weight-decay", type=float_in(0.0), default=0.01,
                         help="AdamW weight decay, not on biases and LayerNorms (default 0.01)")
     parser.add_argument("--max-steps", type=positive_int,
                         help="stop after this many steps (smoke tests; default: all epochs)")
@@ -67,19 +68,22 @@ def add_finetune_arguments(parser: argparse.ArgumentParser, *, lr: float, epochs
     add_wandb_argument(parser)
 
 
-def load_pretrained(path: Path, model_class: type[PreTrainedModel], **options: Any
-                    ) -> tuple[Any, PreTrainedModel]:
+def load_pretrained(path: Path, model_class: type[PreTrainedModel], *, max_seq_len: int,
+                    **options: Any) -> tuple[Any, PreTrainedModel]:
     """The tokenizer and the task model (``model_class``) of a pre-trained model directory.
 
     Args:
         path: The ``--model`` directory (``save_pretrained`` weights and tokenizer).
         model_class: The task's model, e.g. ``BertForSequenceClassification``.
+        max_seq_len: The ``--max-seq-len`` the examples will be cut to.
         **options: Passed to ``model_class.from_pretrained`` (e.g. ``num_labels``).
 
     Raises:
         DataUnavailableError: ``path`` is not a directory, or transformers cannot read a
             tokenizer and weights from it (the message names it and where such a directory
             comes from).
+        ConfigError: ``max_seq_len`` is longer than the model has positions for (its
+            embedding lookup would fail mid-run).
     """
     fix = ("pass --model the model directory that python -m reproductions.mkor.bert wrote, "
            "<out>/<experiment>/<optimizer>-s<seed>/model")
@@ -91,6 +95,10 @@ def load_pretrained(path: Path, model_class: type[PreTrainedModel], **options: A
     except (OSError, ValueError) as exc:  # transformers' errors for missing or foreign files
         raise DataUnavailableError(f"a tokenizer and weights in {path} "
                                    f"({describe_load_error(exc)})", fix) from None
+    limit = model.config.max_position_embeddings
+    if max_seq_len > limit:
+        raise ConfigError("--max-seq-len", max_seq_len,
+                          f"at most {limit}, the positions this model was trained with")
     return tokenizer, model
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import BertForQuestionAnswering, default_data_collator
 
 from data.errors import CorruptDataError, DataUnavailableError
-from reproductions.common.cli import exit_on_user_error
+from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.mkor.finetune import add_finetune_arguments, fine_tune, load_pretrained
 
 MAX_ANSWER_TOKENS = 30
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_finetune_arguments(parser, lr=3e-5, epochs=2, batch_size=32, max_seq_len=384)
-    parser.add_argument("--doc-stride", type=int, default=128,
+    parser.add_argument("--doc-stride", type=positive_int, default=128,
                         help="tokens shared by consecutive context windows (default 128)")
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _fine_tune_squad(args: argparse.Namespace) -> dict[str, Any]:
     """The body of :func:`main`: the model, the training windows and dev set, fine-tuning."""
-    tokenizer, model = load_pretrained(args.model, BertForQuestionAnswering)
+    tokenizer, model = load_pretrained(args.model, BertForQuestionAnswering,
+                                       max_seq_len=args.max_seq_len)
     train = training_features(tokenizer, read_squad(args.data_dir / "train-v1.1.json"),
                               args.max_seq_len, args.doc_stride)
     dev_questions = read_squad(args.data_dir / "dev-v1.1.json")

@@ -114,6 +114,34 @@ def test_finetuning_refuses_counts_below_one(option: str, value: str, model_dir:
         line = one_error_line(capsys, f"python -m {entry.__name__}")
         assert f"argument {option}: {value} is not >= 1" in line
 
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--lr", "0", "0.0 is not > 0.0"),  # AdamW's ValueError traceback before
+    ("--warmup", "1.5", "1.5 is not [0.0, 1.0]"),  # accepted silently before
+    ("--weight-decay", "-0.1", "-0.1 is not >= 0.0"),
+    ("--lr", "nan", "nan is not > 0.0"),
+])
+def test_finetuning_refuses_numbers_out_of_range(option: str, value: str, says: str,
+                                                 model_dir: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    for entry in (glue, squad):
+        task = ["--task", "rte"] if entry is glue else []
+        with pytest.raises(SystemExit) as info:
+            entry.main([*task, *common_args(tmp_path, model_dir, tmp_path / "o"), option, value])
+        assert info.value.code == 2
+        assert f"argument {option}: {says}" in one_error_line(capsys,
+                                                             f"python -m {entry.__name__}")
+
+
+def test_finetuning_refuses_a_sequence_longer_than_the_models_positions(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was accepted, and the embedding lookup failed mid-run."""
+    with pytest.raises(SystemExit) as info:
+        glue.main(["--task", "rte", *common_args(tmp_path, model_dir, tmp_path / "o"),
+                   "--max-seq-len", "100000"])
+    assert info.value.code == 2
+    assert "--max-seq-len=100000" in one_error_line(capsys, "python -m reproductions.mkor.glue")
+
 def test_glue_files_as_distributed_mrpc_bom_and_qqp_short_rows(tmp_path: Path) -> None:
     """MRPC's official files start with a byte-order mark, QQP's training file has rows with
     too few columns: the first is read, the second skipped with a warning counting them."""
