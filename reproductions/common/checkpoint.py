@@ -4,9 +4,10 @@ A checkpoint is ``<directory>/checkpoint-<step:09d>.pt``. It is written to a tem
 same directory, flushed and fsynced, renamed into place (atomic on POSIX), and the directory is
 fsynced so the rename itself is durable. So a file under the final name is always complete; a
 damaged one (a copied-in truncated file, a bad disk) is detected at load time, reported, and the
-previous checkpoint is used instead. Only the newest ``keep`` checkpoints are kept. A distributed
-run keeps one directory per rank; :func:`load_agreed_checkpoint` finds the newest step that every
-rank can read.
+previous checkpoint is used instead. Only the newest ``keep`` checkpoints are kept. A directory has
+one writer (a distributed run keeps one per rank), so a save deletes the temporary files that
+writes killed midway left there. :func:`load_agreed_checkpoint` finds the newest step that every
+rank can read, and refuses checkpoints that a run of another world size saved.
 
 States are loaded with ``torch.load(weights_only=True)``, which cannot run code from the file, so
 states must consist of tensors, dicts, lists, tuples, numbers, strings, booleans and None;
@@ -31,6 +32,7 @@ from reproductions.common.results import finite_or_none
 from reproductions.common.scrub import scrub_secrets
 
 _NAME = re.compile(r"^checkpoint-(\d{9,})\.pt$")
+_TEMPORARY = re.compile(r"^\.checkpoint-\d{9,}\.pt\..+\.tmp$")
 _SCALARS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
 
 
@@ -102,6 +104,10 @@ def _reason(exc: Exception) -> str:
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
     """Write ``state`` as the checkpoint of ``step`` atomically, then keep only the newest.
 
+    Temporary files of earlier saves that were killed mid-write are deleted first: nothing else
+    would ever remove them, and each can be as large as a checkpoint. This assumes that no other
+    process saves into ``directory`` at the same time (each rank has its own).
+
     Args:
         directory: Where checkpoints live (created if needed).
         step: The training step the state was taken after; names the file.
@@ -122,6 +128,9 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
     check_weights_only(state)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.iterdir():
+        if _TEMPORARY.match(stale.name):
+            stale.unlink(missing_ok=True)
     final = checkpoint_path(directory, step)
     fd, name = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.", suffix=".tmp")
     try:
@@ -241,43 +250,99 @@ def load_latest_checkpoint(directory: Path, map_location: str | torch.device = "
     return None if found is None else found[1]
 
 
-def _min_over_ranks(step: int, device: str | torch.device) -> int:
-    """The smallest ``step`` of all ranks (``step`` itself without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+def _distributed() -> bool:
+    """Whether this process belongs to a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _newest_usable(directory: Path, map_location: str | torch.device, at_most: int | None,
+                   world_size: int, fix: str) -> tuple[int, dict | None, CheckpointError | None]:
+    """This rank's newest readable checkpoint (of a step <= ``at_most``) that a run of
+    ``world_size`` processes can continue.
+
+    Returns:
+        ``(step, state, None)``; ``(-1, None, None)`` when there is no checkpoint; ``(-1, None,
+        error)`` when none can be read or the newest was saved by another world size.
+    """
+    try:
+        found = load_newest_checkpoint(directory, map_location, at_most=at_most)
+    except CheckpointError as exc:
+        return -1, None, exc
+    if found is None:
+        return -1, None, None
+    step, state = found
+    saved = state.get("world_size")
+    if saved is not None and saved != world_size:
+        return -1, None, CheckpointError(
+            f"the checkpoint {checkpoint_path(directory, step)} was saved by a run of world size "
+            f"{saved}, not {world_size} like this one (each rank's state depends on it): resume "
+            f"with world size {saved}, or {fix}")
+    return step, state, None
+
+
+def _agree(step: int, error: CheckpointError | None, device: str | torch.device) -> int:
+    """The smallest ``step`` of all ranks, or the error of the lowest rank that has one, raised
+    on every rank.
+
+    Every rank takes part, also one whose own load failed: raising there alone would leave the
+    others waiting in the collective until its process group went away, and they would fail
+    with a lost gloo connection instead of the message. Without a process group: ``step``, or
+    ``error`` raised.
+
+    Raises:
+        CheckpointError: some rank has ``error`` (the lowest such rank's message, on every rank).
+    """
+    if not _distributed():
+        if error is not None:
+            raise error
         return step
-    value = torch.tensor([step], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return int(value)
+    world_size = dist.get_world_size()
+    values = torch.tensor([step, world_size if error is None else dist.get_rank()],
+                          dtype=torch.int64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MIN)
+    lowest, failed = values.tolist()
+    if failed < world_size:
+        message = [None if error is None else str(error)]
+        dist.broadcast_object_list(message, src=failed)
+        raise CheckpointError(message[0])
+    return lowest
 
 
-def load_agreed_checkpoint(directory: Path, map_location: str | torch.device = "cpu"
+def load_agreed_checkpoint(directory: Path, map_location: str | torch.device = "cpu", *,
+                           fix: str = "start afresh in another output directory"
                            ) -> dict | None:
     """This rank's readable checkpoint of the newest step that every rank can load.
 
     Every rank of the process group calls this with its own directory. Ranks save one after the
     other, and a file may be damaged, so the newest readable step can differ between ranks; all
-    ranks then step back until they agree. Without a process group this is
-    :func:`load_latest_checkpoint`.
+    ranks then step back until they agree. A state's ``world_size`` entry, where it has one, is
+    the number of processes that saved it: a run of another world size cannot continue it (its
+    ranks would start afresh, or a rank would load another rank's state, and overwrite the
+    checkpoints), so every rank raises instead. Without a process group this is
+    :func:`load_latest_checkpoint` for a world size of 1.
 
     Args:
         directory: This rank's checkpoint directory.
         map_location: Where tensors are loaded to (this rank's device, which the collective
             also uses).
+        fix: What else the user can do when the world size differs, ending that error message
+            (after "resume with world size <saved>, or").
 
     Returns:
         The state, or None when some rank has no usable checkpoint (all start afresh).
 
     Raises:
-        CheckpointError: this rank's checkpoints of the agreed step and older cannot be read.
+        CheckpointError: on every rank alike, with the message of the lowest rank whose
+            checkpoints of the agreed step and older cannot be read, or whose newest checkpoint
+            a run of another world size saved.
     """
-    found = load_newest_checkpoint(directory, map_location)
-    step = -1 if found is None else found[0]
-    agreed = _min_over_ranks(step, map_location)
+    world_size = dist.get_world_size() if _distributed() else 1
+    step, state, error = _newest_usable(directory, map_location, None, world_size, fix)
+    agreed = _agree(step, error, map_location)
     while True:
         if step > agreed:
-            found = load_newest_checkpoint(directory, map_location, at_most=agreed)
-            step = -1 if found is None else found[0]
-        lowest = _min_over_ranks(step, map_location)
+            step, state, error = _newest_usable(directory, map_location, agreed, world_size, fix)
+        lowest = _agree(step, error, map_location)
         if lowest == agreed:  # every step is <= agreed and the smallest equals it: all agree
-            return None if found is None else found[1]
+            return state
         agreed = lowest

@@ -38,7 +38,6 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from tqdm import tqdm
 
 from core.config import ConfigError
-from core.distributed import DistributedStrategy
 from data.fashion_mnist import fashion_mnist
 from data.image_folder import image_folder
 from data.paths import add_data_dir_argument
@@ -59,7 +58,7 @@ from reproductions.common.results import RunRecorder
 from reproductions.common.rng import capture_rng_state, restore_rng_state
 from reproductions.common.tracking import Tracker, add_wandb_argument
 from reproductions.osawa2018.config import OsawaConfig, load_config, parse_override
-from reproductions.osawa2018.sampling import StreamBatchSampler
+from reproductions.osawa2018.sampling import StreamBatchSampler, StreamExamples
 from reproductions.osawa2018.schedule import epoch_at
 from reproductions.osawa2018.trainer import OsawaTrainer
 
@@ -68,9 +67,13 @@ PAPER = "osawa2018"
 
 @dataclass
 class TrainingData:
-    """The splits of one data set and what the model needs to know about it."""
+    """The splits of one data set and what the model needs to know about it.
 
-    train: Dataset
+    The training split is read at the ``(index, stream position)`` pairs of
+    :class:`~reproductions.osawa2018.sampling.StreamBatchSampler`.
+    """
+
+    train: StreamExamples
     test: Dataset
     num_classes: int
     in_channels: int
@@ -79,18 +82,22 @@ class TrainingData:
 def load_data(config: OsawaConfig, data_dir: str | None, folder: str | None) -> TrainingData:
     """Fashion-MNIST (cached under ``data_dir``) or an ImageNet-style folder.
 
+    The folder's random crops and flips are seeded per example by ``config.seed`` and its stream
+    position; Fashion-MNIST has no random transforms.
+
     Raises:
         ConfigError: ``image-folder`` data without a folder.
         DataUnavailableError: the data is not there (the message says how to get it).
     """
     if config.data == "fashion-mnist":
-        return TrainingData(fashion_mnist(True, data_dir), fashion_mnist(False, data_dir), 10, 1)
+        return TrainingData(StreamExamples(fashion_mnist(True, data_dir)),
+                            fashion_mnist(False, data_dir), 10, 1)
     if folder is None:
         raise ConfigError("--image-folder", None,
                           "a folder with train/ and val/ inside for data 'image-folder'")
     train = image_folder(Path(folder), True, config.image_size)
-    return TrainingData(train, image_folder(Path(folder), False, config.image_size),
-                        len(train.classes), 3)
+    return TrainingData(StreamExamples(train, config.seed),
+                        image_folder(Path(folder), False, config.image_size), len(train.classes), 3)
 
 
 def summarize(config: OsawaConfig, evals: list[dict[str, Any]], steps: list[dict[str, Any]],
@@ -118,14 +125,6 @@ def _test_loader(data: TrainingData, config: OsawaConfig, ctx: DistContext) -> D
     shard = Subset(data.test, range(ctx.rank, len(data.test), ctx.world_size))
     return DataLoader(shard, batch_size=config.eval_batch_size, num_workers=config.num_workers,
                       generator=torch.Generator())  # evaluating must not draw from the global RNG
-
-
-def _ledger(trainer: OsawaTrainer) -> dict[str, Any] | None:
-    """Per-stage totals of this rank's communication ledger, when K-FAC ran distributed."""
-    if trainer.kfac is None or not isinstance(trainer.kfac.strategy, DistributedStrategy):
-        return None
-    ledger = trainer.kfac.strategy.communicator.ledger
-    return {stage: vars(totals) for stage, totals in ledger.summary().items()}
 
 
 def run(config: OsawaConfig, *, out: Path, data_dir: str | None = None,
@@ -175,7 +174,9 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
     wandb_id = None
     if not resume:  # a fresh run: the older checkpoints here would outrank its own
         shutil.rmtree(checkpoints, ignore_errors=True)
-    state = load_agreed_checkpoint(checkpoints, ctx.device) if resume else None
+    state = load_agreed_checkpoint(
+        checkpoints, ctx.device, fix="start afresh without --resume (which deletes these "
+        "checkpoints) or in another --out") if resume else None
     if state is not None:
         require_same_config(json.loads(state["results"])["config"], config.to_dict(), checkpoints,
                             fix="resume with the same --config and --set, or start afresh "
@@ -227,9 +228,8 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
             next_eval = (math.floor(trainer.epoch / every + 1e-9) + 1) * every
         if evaluate or stopping:
             summary = summarize(config, recorder.data["evals"], recorder.data["steps"], size)
-            recorder.update(summary=summary, wandb=tracker.info(), ledger=_ledger(trainer),
-                            optimizer_stage_time_s=dict(trainer.kfac.timer.totals)
-                            if trainer.kfac else {},
+            recorder.update(summary=summary, wandb=tracker.info(), ledger=trainer.ledger(),
+                            optimizer_stage_time_s=trainer.stage_times(),
                             memory=trainer.kfac.memory_usage() if trainer.kfac else {})
             if trainer.step == total:
                 recorder.finish()
@@ -237,7 +237,8 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
                                     and trainer.step % checkpoint_every == 0):
             save_checkpoint(checkpoints, trainer.step, {
                 "trainer": trainer.state_dict(), "rng": capture_rng_state(),
-                "results": json.dumps(recorder.data), "wandb_id": tracker.id})
+                "results": json.dumps(recorder.data), "wandb_id": tracker.id,
+                "world_size": ctx.world_size})
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
         if (evaluate or stopping) and ctx.is_main:

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from core import KFACPreconditioner
 from core.batchnorm import BatchNormPreconditioner
+from core.distributed import DistributedStrategy, Ledger
 from reproductions.osawa2018.config import OsawaConfig
 from reproductions.osawa2018.erasing import RandomErasing
 from reproductions.osawa2018.mixup import RunningMixup
@@ -208,11 +209,34 @@ class OsawaTrainer:
             out.update(self.bn.metrics())
         return out
 
+    def stage_times(self) -> dict[str, float]:
+        """Seconds per K-FAC stage over the run, the part before a resume included (empty
+        without K-FAC)."""
+        return {} if self.kfac is None else dict(self.kfac.timer.totals)
+
+    def _recording_ledger(self) -> Ledger | None:
+        """The ledger K-FAC's collectives are recorded in (None unless K-FAC runs distributed)."""
+        if self.kfac is None or not isinstance(self.kfac.strategy, DistributedStrategy):
+            return None
+        return self.kfac.strategy.communicator.ledger
+
+    def ledger(self) -> dict[str, dict[str, int]] | None:
+        """This rank's communication per stage over the run, the part before a resume included:
+        ``{stage: {collectives, elements, bytes, traffic_bytes}}`` (None unless K-FAC runs
+        distributed)."""
+        live = self._recording_ledger()
+        if live is None:
+            return None
+        return {stage: vars(counts) for stage, counts in live.summary().items()}
+
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, preconditioner and mixup states and the step (this rank's view)."""
+        """Model, optimizer, preconditioner and mixup states, the step, and the stage times and
+        communication so far, which the results report for the whole run (this rank's view)."""
         return {
             "step": self.step,
             "skipped_steps": self.skipped_steps,
+            "stage_time_s": self.stage_times(),
+            "ledger": None if (live := self._recording_ledger()) is None else live.state_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "kfac": None if self.kfac is None else self.kfac.state_dict(),
@@ -232,3 +256,9 @@ class OsawaTrainer:
             self.mixup.load_state_dict(state["mixup"])
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
+        if self.kfac is not None:  # (checkpoints of older revisions carry neither)
+            self.kfac.timer.reset()
+            self.kfac.timer.totals.update(state.get("stage_time_s") or {})
+        live = self._recording_ledger()
+        if live is not None and state.get("ledger"):  # saved totals stand for the entries
+            live.load_state_dict(state["ledger"])

@@ -54,6 +54,21 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monke
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint_path(tmp_path, 1).name]
 
 
+def test_a_save_deletes_the_temporary_files_of_killed_writes(tmp_path: Path) -> None:
+    """A write SIGKILLed mid-way leaves its temporary file (named as ``tempfile.mkstemp`` names
+    it); the next save removes it, and only files of that pattern."""
+    save_checkpoint(tmp_path, 1, state(1))
+    killed = tmp_path / f".{checkpoint_path(tmp_path, 2).name}.k3x9_q2a.tmp"
+    killed.write_bytes(b"\0" * 4096)  # the half-written state
+    others = [tmp_path / "notes.tmp", tmp_path / ".checkpoint-notes.tmp"]
+    for other in others:
+        other.write_text("not a checkpoint")
+    save_checkpoint(tmp_path, 3, state(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [checkpoint_path(tmp_path, 1).name, checkpoint_path(tmp_path, 3).name,
+         *(other.name for other in others)])
+
+
 def test_loads_with_weights_only(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"state\['bad'\].*weights_only"):
         save_checkpoint(tmp_path, 1, {"bad": object()})
@@ -116,6 +131,21 @@ def test_agreed_checkpoint_without_a_process_group_is_the_newest(tmp_path: Path)
     assert load_agreed_checkpoint(tmp_path / "absent") is None
 
 
+def test_a_checkpoint_of_another_world_size_is_refused(tmp_path: Path) -> None:
+    """A state that records the world size it was saved by loads only in a run of that size;
+    a state that records none loads anywhere."""
+    save_checkpoint(tmp_path / "one", 1, {**state(1), "world_size": 1})
+    loaded = load_agreed_checkpoint(tmp_path / "one")
+    assert loaded is not None and loaded["step"] == 1
+    save_checkpoint(tmp_path / "none", 1, state(1))
+    assert load_agreed_checkpoint(tmp_path / "none") is not None
+    saved = save_checkpoint(tmp_path / "two", 4, {**state(4), "world_size": 2})
+    with pytest.raises(CheckpointError, match=rf"^the checkpoint {saved} was saved by a run of "
+                                              r"world size 2, not 1 like this one .*: resume "
+                                              r"with world size 2, or start elsewhere$"):
+        load_agreed_checkpoint(tmp_path / "two", fix="start elsewhere")
+
+
 def _agreed_steps(roots: list[str]) -> list[int | None]:
     import torch.distributed as dist
 
@@ -162,3 +192,36 @@ def test_require_same_config_names_what_differs_and_accepts_the_rest(tmp_path: P
         require_same_config(saved, {**same, "lr": 0.2}, tmp_path, fix="f")
     with pytest.raises(CheckpointError, match=r"new: None saved, 1 now"):
         require_same_config(saved, {**same, "new": 1}, tmp_path, fix="f", ignore=("max_steps",))
+
+
+def _agreement_errors(roots: list[str]) -> list[str]:
+    """The CheckpointError each case raised on this rank (every case must raise)."""
+    import torch.distributed as dist
+
+    errors = []
+    for root in roots:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with pytest.raises(CheckpointError) as info:
+                load_agreed_checkpoint(Path(root) / f"rank-{dist.get_rank()}")
+        errors.append(str(info.value))
+    return errors
+
+
+@pytest.mark.distributed
+def test_a_rank_that_cannot_resume_makes_every_rank_raise_its_error(tmp_path: Path) -> None:
+    """Every rank takes part in the agreement and raises the same error, naming the failing
+    rank's files: alone, the failing rank left the others in a collective that then broke with a
+    lost gloo connection. Cases: rank 1's only checkpoint is damaged; rank 0's checkpoints come
+    from a 1-process run, rank 1 has none (a 2-process run would have started afresh and
+    overwritten them)."""
+    damaged = save_checkpoint(tmp_path / "damaged" / "rank-1", 2, state(2))
+    damaged.write_bytes(b"garbage")
+    save_checkpoint(tmp_path / "damaged" / "rank-0", 2, state(2))
+    single = save_checkpoint(tmp_path / "single" / "rank-0", 6, {**state(6), "world_size": 1})
+    roots = [str(tmp_path / "damaged"), str(tmp_path / "single")]
+    rank0, rank1 = run_local(_agreement_errors, 2, roots, timeout=60)
+    assert rank0 == rank1
+    assert rank0[0].startswith(f"no checkpoint in {damaged.parent} can be loaded: {damaged}")
+    assert rank0[1].startswith(f"the checkpoint {single} was saved by a run of world size 1, "
+                               "not 2 like this one")

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import Dataset
 
 from core.config import ConfigError
 from data.errors import DataUnavailableError
@@ -18,8 +19,9 @@ from data.image_folder import make_tiny_image_folder
 from reproductions.common.checkpoint import checkpoint_step, list_checkpoints
 from reproductions.common.results import load_results
 from reproductions.osawa2018.config import load_config
-from reproductions.osawa2018.sampling import StreamBatchSampler
+from reproductions.osawa2018.sampling import StreamBatchSampler, StreamExamples
 from reproductions.osawa2018.train import main, run
+from reproductions.osawa2018.trainer import OsawaTrainer
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -122,12 +124,58 @@ def test_two_steps_on_a_generated_image_folder(tmp_path: Path) -> None:
 def test_stream_sampler_splits_global_batches_across_ranks_and_epochs() -> None:
     single = iter(StreamBatchSampler(10, 4, 2, seed=3))
     first_two = [next(single) for _ in range(6)]  # three global batches straddle an epoch
-    flat = [i for batch in first_two for i in batch]
+    assert [p for batch in first_two for _, p in batch] == list(range(12))  # stream positions
+    flat = [i for batch in first_two for i, _ in batch]
     assert sorted(flat[:10]) == list(range(10)) and len(set(flat[10:])) == 2
     ranks = [iter(StreamBatchSampler(10, 4, 2, rank=r, world_size=2, seed=3)) for r in (0, 1)]
     assert [next(ranks[0]), next(ranks[1])] == first_two[:2]
     resumed = iter(StreamBatchSampler(10, 4, 2, seed=3, start_step=2))
     assert [next(resumed), next(resumed)] == first_two[4:6]
+
+
+class Draws(Dataset):
+    """Each example is a draw from torch's global generator, as a random transform makes one."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(2)
+
+
+def test_stream_examples_draw_by_stream_position_and_leave_the_global_generator() -> None:
+    examples = StreamExamples(Draws(), seed=7)
+    torch.manual_seed(0)
+    first = examples[(1, 5)]
+    after = torch.rand(1)
+    torch.manual_seed(1)
+    assert torch.equal(examples[(3, 5)], first)  # the position decides, not the global state
+    assert not torch.equal(examples[(1, 6)], first)
+    assert not torch.equal(StreamExamples(Draws(), seed=8)[(1, 5)], first)
+    torch.manual_seed(0)
+    examples[(2, 9)]
+    assert torch.equal(torch.rand(1), after)  # the caller's generator is left as it was
+    torch.manual_seed(0)
+    unseeded = StreamExamples(Draws())[(0, 5)]  # no seed: the global generator's next draw
+    torch.manual_seed(0)
+    assert torch.equal(unseeded, torch.rand(2))
+
+
+def test_trainer_state_carries_the_stage_times_so_far() -> None:
+    """A resumed run's results report the K-FAC stage times of the whole run."""
+    config = load_config("fmnist_default", {**TINY, "batch_size": 8, "micro_batch_size": 4})
+
+    def trainer() -> OsawaTrainer:
+        return OsawaTrainer(config, num_classes=3, in_channels=1, dataset_size=64,
+                            device=torch.device("cpu"))
+
+    trained = trainer()
+    trained.train_step([(torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,))) for _ in range(2)])
+    resumed = trainer()
+    resumed.load_state_dict(trained.state_dict())
+    assert trained.stage_times()["factors"] > 0
+    assert resumed.stage_times() == trained.stage_times()
+    assert resumed.ledger() is None  # one process: nothing moves
 
 
 @pytest.mark.distributed
