@@ -342,8 +342,8 @@ def breakdown_table(results: Sequence[ModelResult], world_size: int, network: Al
     return Table(
         "D4", f"Modelled iteration time at P = {world_size} (s): compute measured on {device}, "
         "communication alpha-beta", "modelled",
-        ["model", "scheme", "paper: cumulative (s)", *(f"ours: {s} (s)" for s in STAGES),
-         "ours: total (s)"], rows,
+        ["model", "scheme", "paper: SPD-KFAC plotting script's cumulative (s)",
+         *(f"ours: {s} (s)" for s in STAGES), "ours: total (s)"], rows,
         "Modelled, not measured. Compute: FF&BP timed here at batch "
         f"{results[0].measured_pass.batch} and scaled to the per-GPU batch; factor "
         "construction, inversion and preconditioning are the busiest worker's measured "
