@@ -1,16 +1,18 @@
 """Measured cost of each method on a model: state memory, communication and update time.
 
 For the MKOR paper's Table 1 (per layer, against the layer width ``d``) and its per-GPU memory
-table (BERT-Large at 64 GPUs). Everything is measured by the code that trains, at the given world
-size, in one process:
+table (BERT-Large and ResNet-50 at 64 GPUs). Everything is measured by the code that trains, at
+the given world size, in one process:
 
-* **K-FAC (KAISA)**: :func:`core.distributed.simulate.simulate` runs the real strategy on a
-  communicator that records every collective and moves nothing, with ``meta`` tensors for the
-  factors; memory and bytes come from its per-rank memory report and ledger.
+* **K-FAC (KAISA)**: :func:`core.distributed.simulate.simulate` runs the real strategy (the
+  options' ``strategy``: comm-opt, mem-opt, ...) on a communicator that records every collective
+  and moves nothing, with ``meta`` tensors for the factors; memory and bytes come from its
+  per-rank memory report and ledger.
 * **MKOR, Eva**: the real preconditioner on the real model, with a simulated communicator of
   ``world_size`` ranks (``Communicator.simulated``): one forward/backward and one update step;
   memory from ``memory_usage()``, bytes from the ledger of that step's all-reduce.
-* **LAMB**: timm's LAMB stepped once; its state (two moments per parameter) is its memory; its
+* **LAMB, SGD**: the first-order optimizer (timm's LAMB; torch's SGD with momentum) stepped
+  once; its state (LAMB: two moments per parameter; SGD: one momentum buffer) is its memory; its
   only communication is the gradient all-reduce every method shares, so none is counted here.
 
 Communication counts the second-order collectives of one update step (factor, inverse and
@@ -19,7 +21,7 @@ gradient-broadcast stages), not the data-parallel gradient all-reduce common to 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,9 @@ from core.preconditioner import KFACPreconditioner
 
 METHODS = ("mkor", "kfac", "eva", "lamb")
 """The methods of Table 1 that run here (SNGD/HyLo is not implemented in this project)."""
+
+FIRST_ORDER_METHODS = ("lamb", "sgd")
+"""First-order optimizers :func:`measure_costs` can measure (BERT's LAMB, ResNet-50's SGD)."""
 
 SHARED_STAGES = ("grad_allreduce",)
 """Ledger stages every method pays alike; left out of the second-order communication."""
@@ -86,40 +91,52 @@ def _rank1(kind: type, model: nn.Module, loss_fn: LossFn, world_size: int,
                 traffic_bytes=sum(e.traffic_bytes for e in entries))
 
 
-def _lamb(model: nn.Module, loss_fn: LossFn) -> Cost:
-    lamb = build_first_order("lamb", model, lr=1e-3, weight_decay=0.01, momentum=0.0,
-                             betas=(0.9, 0.999))
+def _first_order(name: str, model: nn.Module, loss_fn: LossFn, options: dict[str, Any]
+                 ) -> Cost:
+    settings = {"lr": 1e-3, "weight_decay": 0.01, "momentum": 0.9 if name == "sgd" else 0.0,
+                "betas": (0.9, 0.999), **options}
+    optimizer = build_first_order(name, model, **settings)
     model.zero_grad(set_to_none=True)
     loss_fn(model).backward()
-    lamb.step()
-    state = sum(t.numel() * t.element_size() for s in lamb.state.values() for t in s.values()
-                if isinstance(t, Tensor))
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                for t in s.values() if isinstance(t, Tensor))
     return Cost(state_bytes=state, comm_bytes=0, traffic_bytes=0)
 
 
 def measure_costs(model: nn.Module, loss_fn: LossFn, *, world_size: int,
-                  options: dict[str, dict[str, Any]], kfac_ranks: int = 64
-                  ) -> dict[str, Cost]:
-    """Memory and communication of :data:`METHODS` on ``model`` at ``world_size`` GPUs.
+                  options: dict[str, dict[str, Any]], kfac_ranks: int = 64,
+                  methods: Sequence[str] = METHODS) -> dict[str, Cost]:
+    """Memory and communication of ``methods`` on ``model`` at ``world_size`` GPUs.
 
     Args:
         model: A real (CPU) model; its gradients are overwritten.
         loss_fn: A scalar loss of ``model`` on a small fixed batch (shapes matter, not values).
         world_size: Simulated number of GPUs.
-        options: Per method, its preconditioner options (e.g. the ``preconditioner`` section
-            of an experiment config: damping, intervals, fp16 storage and wire dtype).
+        options: Per method, its options (e.g. the ``preconditioner`` section of an experiment
+            config: damping, intervals, fp16 storage and wire dtype, K-FAC's ``strategy`` and
+            ``skip_layers``; for ``lamb`` and ``sgd``, ``build_first_order``'s keywords).
         kfac_ranks: How many of the ranks to simulate for K-FAC (evenly spread; the maximum
             over them is reported). Fewer is faster; for symmetric strategies one suffices.
+        methods: Which to measure: any of :data:`METHODS` and :data:`FIRST_ORDER_METHODS`.
 
     Returns:
-        A :class:`Cost` per method.
+        A :class:`Cost` per method, in the order of ``methods``.
     """
-    return {
-        "kfac": _kfac(model, world_size, options.get("kfac", {}), min(kfac_ranks, world_size)),
-        "mkor": _rank1(MKORPreconditioner, model, loss_fn, world_size, options.get("mkor", {})),
-        "eva": _rank1(EvaPreconditioner, model, loss_fn, world_size, options.get("eva", {})),
-        "lamb": _lamb(model, loss_fn),
+    measure: dict[str, Callable[[], Cost]] = {
+        "kfac": lambda: _kfac(model, world_size, options.get("kfac", {}),
+                              min(kfac_ranks, world_size)),
+        "mkor": lambda: _rank1(MKORPreconditioner, model, loss_fn, world_size,
+                               options.get("mkor", {})),
+        "eva": lambda: _rank1(EvaPreconditioner, model, loss_fn, world_size,
+                              options.get("eva", {})),
+        **{name: (lambda name=name: _first_order(name, model, loss_fn, options.get(name, {})))
+           for name in FIRST_ORDER_METHODS},
     }
+    unknown = [m for m in methods if m not in measure]
+    if unknown:
+        raise ValueError(f"cannot measure {unknown}: choose from {sorted(measure)}")
+    return {method: measure[method]() for method in methods}
 
 
 UPDATE_STAGES = ("factors", "factor_comm", "inversion", "inverse_comm")
@@ -175,3 +192,26 @@ def linear_layer(d: int, rows: int = 64, seed: int = 0) -> tuple[nn.Module, Loss
         return model(x).pow(2).mean()
 
     return layer, loss
+
+
+def image_classifier(name: str = "resnet50", batch: int = 2, size: int = 64, seed: int = 0
+                     ) -> tuple[nn.Module, LossFn]:
+    """torchvision's ``name`` (1,000 ImageNet classes) and a cross-entropy loss on ``batch``
+    random ``size x size`` images.
+
+    The state of every method depends on the layers' shapes only (a convolution's factors are
+    ``c_in·k_h·k_w (+1)`` and ``c_out`` wide, whatever the image size), so small images measure
+    the state of ImageNet's 224 x 224 training exactly, and quickly.
+    """
+    from reproductions.common.shapes import torchvision_model
+
+    torch.manual_seed(seed)
+    model = torchvision_model(name)()
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, size, size, generator=generator)
+    y = torch.randint(0, 1000, (batch,), generator=generator)
+
+    def loss(m: nn.Module) -> Tensor:
+        return nn.functional.cross_entropy(m(x), y)
+
+    return model, loss

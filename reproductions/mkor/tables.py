@@ -4,7 +4,8 @@
   (KAISA), Eva and LAMB for a ``d x d`` layer, measured (:mod:`reproductions.mkor.measure`) at
   64 GPUs for several ``d`` including BERT-Large's 1024, with the fitted exponent of ``d``;
   plus the update and preconditioning time on this machine.
-* **M2, per-GPU memory**, exact for optimizer state: BERT-Large at 64 GPUs.
+* **M2, per-GPU memory**, exact for optimizer state: BERT-Large (LAMB, KAISA, MKOR, Eva) and
+  ResNet-50 (SGD, KAISA, MKOR) at 64 GPUs.
 * **M3, Tables 2-3 speed-up columns**, small: steps and time for each optimizer to reach LAMB's
   final pre-training loss, from the committed results of the default run
   (:mod:`reproductions.mkor.report` defines the measure).
@@ -12,8 +13,9 @@
   produce ours from the user's copy of the data.
 
 The tables are printed as Markdown and written in the ``kfac-repro/tables/v1`` schema to
-``reproductions/mkor/results/tables.json``. Measuring BERT-Large takes a few minutes on a CPU
-(one real update step of each method; ``--model`` picks a smaller shape).
+``reproductions/mkor/results/tables.json``. Measuring BERT-Large and ResNet-50 takes a minute
+or a few on a CPU (one real update step of each method; ``--model`` and ``--cnn`` pick smaller
+shapes).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,14 @@ from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import load_results
 from reproductions.common.tables import Table, write_tables
 from reproductions.mkor.config import MODEL_PRESETS, load_config
-from reproductions.mkor.measure import METHODS, linear_layer, measure_costs, update_times
+from reproductions.mkor.measure import (
+    METHODS,
+    Cost,
+    image_classifier,
+    linear_layer,
+    measure_costs,
+    update_times,
+)
 from reproductions.mkor.model import build_model, pretraining_loss
 from reproductions.mkor.report import BASELINE, compare, speedups
 
@@ -40,7 +49,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = RESULTS_DIR.parents[2]
 
 NAMES = {"lamb": "LAMB", "kfac": "KAISA (K-FAC)", "mkor": "MKOR", "mkor-h": "MKOR-H",
-         "eva": "Eva"}
+         "eva": "Eva", "sgd": "SGD"}
 
 PAPER_TABLE1 = {  # memory, communication, computation, as printed (PAPERS.md §5.3)
     "mkor": ("O(2d²/2)", "O(2d/2)", "O(d² + bd)"),
@@ -51,6 +60,38 @@ PAPER_TABLE1 = {  # memory, communication, computation, as printed (PAPERS.md §
 # The paper's numbers are kept as printed (strings), so no digit is lost to formatting.
 PAPER_MEMORY_GB = {"lamb": "12.80", "kfac": "29.97", "mkor": "23.34", "eva": None}
 """Thesis Table 3.5, BERT row: per-GPU memory (GB) at 64 A100s; no Eva entry."""
+PAPER_RESNET_MEMORY_GB = {"sgd": "3.01", "kfac": "5.83", "mkor": "3.88"}
+"""Thesis Table 3.5, ResNet-50 row: per-GPU memory (GB) at 64 V100s (ImageNet)."""
+PAPER_BERT, PAPER_CNN = "bert-large", "resnet50"
+"""The paper's models: Table 3.5's numbers are shown beside these shapes only."""
+CNN_CHOICES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
+"""torchvision CNNs M2's second half can measure (``--cnn``)."""
+RESNET50_OPTIONS: dict[str, dict[str, Any]] = {
+    # KAISA's ImageNet example defaults, which the MKOR repo's ResNet-50 example keeps
+    # (PAPERS.md §3.4): comm-opt, factors every 10 steps, inverses every 100, damping 1e-3,
+    # factor decay 0.95, kl_clip 1e-3, factors reduced in the backward hooks.
+    "kfac": {"strategy": "comm-opt", "factor_update_steps": 10, "inv_update_steps": 100,
+             "damping": 0.001, "factor_decay": 0.95, "kl_clip": 0.001,
+             "factor_scaling": "kaisa", "inverse_method": "eigen", "factors_in_backward": True},
+    # MKOR every 10 steps (PAPERS.md §5.5), fp16 inverse factors and wire (half_precision).
+    "mkor": {"inv_update_steps": 10, "stat_decay": 0.95, "update_rule": "exact",
+             "inverse_dtype": "float16", "comm_dtype": "float16"},
+    # SGD with momentum 0.9 and weight decay 5e-5 (KAISA's example): one momentum buffer.
+    "sgd": {"lr": 0.0125, "momentum": 0.9, "weight_decay": 5e-5},
+}
+"""The ResNet-50 half of M2: options of the methods as the MKOR repo's ImageNet example."""
+KAISA_MODES = {
+    "comm-opt": "every GPU holds all factors, eigen-decompositions and communication buffers",
+    "mem-opt": "every GPU holds all factors, but each layer's eigen-decompositions are kept "
+               "only by the GPU that computes them, which broadcasts the preconditioned "
+               "gradient; plus communication buffers",
+    "hybrid-opt": "every GPU holds all factors, but each layer's eigen-decompositions are kept "
+                  "only by a group of GPUs; plus communication buffers",
+    "d-kfac": "every GPU holds and computes all factors and eigen-decompositions",
+}
+"""What one GPU holds under each K-FAC strategy M2 may be given."""
+RUNNER_MODE = (", as the official MKOR BERT runner builds KAISA (comm_method=MEM_OPT in "
+               "Mohammad-Mozaffari/mkor examples/bert/run_pretraining.py)")
 PAPER_TABLE2 = {  # iterations, hours, speed-up, SQuAD v1.1 F1 (paper Table 2)
     "lamb": ("1,563", "7.97", "1.00", "90.44"), "kfac": ("1,000", "5.71", "1.39", "90.44"),
     "mkor": ("1,000", "5.25", "1.51", "90.50"), "mkor-h": ("600", "3.10", "2.57", "90.64"),
@@ -64,9 +105,11 @@ GB = 1e9
 # M1 and M2: measured
 
 def second_order_options() -> dict[str, dict[str, Any]]:
-    """The paper-scale preconditioner options (bert_large_phase2.json), decoder skipped."""
+    """The paper-scale preconditioner options (bert_large_phase2.json) as the training code
+    composes them (``reproductions.mkor.bert``): the vocabulary decoder skipped unless the
+    config names its own ``skip_layers`` (K-FAC's skips the whole LM-prediction head)."""
     options = load_config("bert_large_phase2").preconditioner
-    return {name: {**opts, "skip_layers": (BERT_DECODER_PATTERN,)}
+    return {name: {"skip_layers": (BERT_DECODER_PATTERN,), **opts}
             for name, opts in options.items()}
 
 
@@ -84,6 +127,7 @@ def fitted_exponent(dims: Sequence[int], values: Sequence[float | None]) -> floa
 def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> Table:
     """M1: Table 1 measured per ``d x d`` layer at ``world_size`` GPUs."""
     options = second_order_options()
+    strategy = options["kfac"].get("strategy", "comm-opt")
     costs, times = [], []
     for d in dims:
         layer, loss = linear_layer(d)
@@ -114,61 +158,131 @@ def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> T
         notes=(
             f"One d x d linear layer (bias included: the input side has d + 1 rows), measured "
             f"by the training code at {world_size} GPUs (reproductions/mkor/measure.py) with the "
-            "paper-scale options of configs/bert_large_phase2.json: K-FAC (KAISA comm-opt) via "
-            "core.distributed.simulate; MKOR (fp16 inverse factors and wire, as the paper) and "
-            "Eva stepped once with a simulated communicator; LAMB stepped once. Memory: the "
-            "state the method keeps for the layer (LAMB: its two moments). Communication: "
-            "payload bytes of the method's own collectives in one update step on the busiest "
-            "GPU (the gradient all-reduce every method shares is left out; LAMB has none "
-            "else, shown as —). The exponents are hardware-independent for memory and "
-            "communication; the times are this CPU's (single process, best of 3) and only "
-            "their growth with d is comparable with the paper's column. The paper's "
-            "computation column counts the update; preconditioning, a product of d x d "
-            "matrices for K-FAC and MKOR, is shown separately. SNGD (HyLo) is not "
-            "implemented here. d = 1024 is BERT-Large's hidden size."))
+            f"paper-scale options of configs/bert_large_phase2.json: K-FAC (KAISA {strategy}"
+            f"{', as the official MKOR BERT runner' if strategy == 'mem-opt' else ''}; "
+            "memory on the GPU that decomposes the layer) via core.distributed.simulate; MKOR "
+            "(fp16 inverse factors and wire, as the paper) and Eva stepped once with a "
+            "simulated communicator; LAMB stepped once. Memory: the state the method keeps for "
+            "the layer (LAMB: its two moments). Communication: payload bytes of the method's "
+            "own collectives in one update step on the busiest GPU (the gradient all-reduce "
+            "every method shares is left out; LAMB has none else, shown as —); K-FAC's is the "
+            "factor all-reduce plus, in mem-opt, the broadcast of the preconditioned gradient "
+            "(comm-opt broadcasts the eigen-decompositions instead, 4/3 as many bytes). The "
+            "exponents are hardware-independent for memory and communication; the times are "
+            "this CPU's (single process, best of 3) and only their growth with d is comparable "
+            "with the paper's column. The paper's computation column counts the update; "
+            "preconditioning, a product of d x d matrices for K-FAC and MKOR, is shown "
+            "separately. SNGD (HyLo) is not implemented here. d = 1024 is BERT-Large's hidden "
+            "size."))
 
 
-def memory_table(model_name: str, world_size: int, kfac_ranks: int) -> Table:
-    """M2: optimizer-state bytes per GPU of a BERT (``bert-large``: the paper's) at
-    ``world_size`` GPUs."""
+def _memory_rows(model_label: str, costs: Mapping[str, Cost], first: str,
+                 methods: Sequence[str], paper: Mapping[str, str | None] | None,
+                 kfac_mode: str) -> list[list[Any]]:
+    """M2's rows of one model: ``first`` (the first-order optimizer), then ``methods`` over it."""
+    first_order = costs[first].state_bytes
+    base = None if paper is None else paper.get(first)
+    rows = []
+    for method in (first, *methods):
+        second = 0 if method == first else costs[method].state_bytes
+        cited = None if paper is None else paper.get(method)
+        extra = (None if cited is None or base is None
+                 else f"{float(cited) - float(base):.2f}")
+        name = f"{NAMES[method]} {kfac_mode}" if method == "kfac" else NAMES[method]
+        rows.append([model_label, name, cited, (first_order + second) / GB, second / GB,
+                     first_order / GB, extra, second / GB])
+    return rows
+
+
+def memory_table(model_name: str, world_size: int, kfac_ranks: int,
+                 cnn_name: str = PAPER_CNN) -> Table:
+    """M2: optimizer-state bytes per GPU of a BERT (``bert-large``: the paper's) and of a
+    torchvision CNN (``resnet50``: the paper's) at ``world_size`` GPUs.
+
+    The BERT half runs the paper-scale options of bert_large_phase2.json (K-FAC in its
+    ``strategy``, mem-opt as the official runner), over LAMB; the CNN half the options of
+    :data:`RESNET50_OPTIONS` (K-FAC comm-opt, KAISA's ImageNet defaults), over SGD with
+    momentum. The paper's numbers are shown beside the paper's shapes only.
+    """
     torch.manual_seed(0)
     model = build_model(model_name, vocab_size=30522, dropout=0.0)
     ids = torch.randint(5, 30000, (1, 16))
     batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids),
              "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
              "next_sentence_label": torch.tensor([0])}
+    options = second_order_options()
     costs = measure_costs(model, lambda m: pretraining_loss(m, batch)[0],
-                          world_size=world_size, options=second_order_options(),
-                          kfac_ranks=kfac_ranks)
+                          world_size=world_size, options=options, kfac_ranks=kfac_ranks,
+                          methods=("lamb", "kfac", "mkor", "eva"))
+    skip = options["kfac"]["skip_layers"]
+    head_skipped = tuple(skip) != (BERT_DECODER_PATTERN,)
+    if head_skipped:  # K-FAC's state had it skipped only the vocabulary decoder, as MKOR does
+        decoder_only = {**options["kfac"], "skip_layers": (BERT_DECODER_PATTERN,)}
+        decoder_only_bytes = measure_costs(
+            model, lambda m: pretraining_loss(m, batch)[0], world_size=world_size,
+            options={"kfac": decoder_only}, kfac_ranks=kfac_ranks,
+            methods=("kfac",))["kfac"].state_bytes
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    first_order = costs["lamb"].state_bytes
-    lamb_paper = PAPER_MEMORY_GB["lamb"] or "0"
-    rows = []
-    for method in ("lamb", "kfac", "mkor", "eva"):
-        second = 0 if method == "lamb" else costs[method].state_bytes
-        paper = PAPER_MEMORY_GB[method]
-        extra = None if paper is None else f"{float(paper) - float(lamb_paper):.2f}"
-        rows.append([NAMES[method], paper, (first_order + second) / GB, second / GB,
-                     first_order / GB, extra, second / GB])
+    bert_mode = options["kfac"].get("strategy", "comm-opt")
+    rows = _memory_rows(model_name, costs, "lamb", ("kfac", "mkor", "eva"),
+                        PAPER_MEMORY_GB if model_name == PAPER_BERT else None, bert_mode)
+    del model
+
+    cnn, cnn_loss = image_classifier(cnn_name)
+    cnn_costs = measure_costs(cnn, cnn_loss, world_size=world_size, options=RESNET50_OPTIONS,
+                              kfac_ranks=kfac_ranks, methods=("sgd", "kfac", "mkor"))
+    cnn_params = sum(p.numel() * p.element_size() for p in cnn.parameters())
+    cnn_mode = RESNET50_OPTIONS["kfac"]["strategy"]
+    rows += _memory_rows(cnn_name, cnn_costs, "sgd", ("kfac", "mkor"),
+                         PAPER_RESNET_MEMORY_GB if cnn_name == PAPER_CNN else None, cnn_mode)
+
     shape = MODEL_PRESETS[model_name]
+    hidden = shape["hidden_size"]
+    skip_note = (
+        f"it leaves the whole LM-prediction head first-order (skip_layers {list(skip)}: the "
+        f"head's {hidden} x {hidden} transform and the vocabulary decoder), as the official "
+        "runner skips BertLMPredictionHead (its embeddings are not preconditioned here either); "
+        "skipping only the vocabulary decoder, as MKOR and Eva do, it would hold "
+        f"{decoder_only_bytes / GB:.3f} GB "
+        f"({(decoder_only_bytes - costs['kfac'].state_bytes) / 1e6:+.1f} MB)"
+        if head_skipped else
+        "it skips the vocabulary decoder only, as MKOR and Eva do")
     return Table(
-        id="M2", title=f"Per-GPU memory, {model_name} at {world_size} GPUs (GB = 10⁹ bytes)",
+        id="M2", title=f"Per-GPU memory, {model_name} and {cnn_name} at {world_size} GPUs "
+                       "(GB = 10⁹ bytes)",
         kind="exact",
-        columns=["method", "paper: GB per GPU", "ours: optimizer state GB per GPU",
-                 "ours: second-order state", "ours: LAMB moments", "paper: extra over LAMB",
-                 "ours: extra over LAMB"],
+        columns=["model", "method", "paper: GB per GPU", "ours: optimizer state GB per GPU",
+                 "ours: second-order state", "ours: first-order state (LAMB moments / SGD "
+                 "momentum)", "derived from paper: extra over LAMB/SGD",
+                 "ours: extra over LAMB/SGD"],
         rows=rows,
         notes=(
+            "The paper's numbers (thesis Table 3.5) are the measured peak per GPU (A100 for "
+            "BERT, V100 for ResNet-50) and include parameters, gradients, activations and "
+            "framework buffers; ours count optimizer state only, exactly, as the training code "
+            "holds it (reproductions/mkor/measure.py: K-FAC through core.distributed.simulate, "
+            f"the largest of {kfac_ranks} simulated ranks; MKOR and Eva stepped once with a "
+            "simulated communicator; the first-order optimizer stepped once). Every "
+            "second-order method runs over the first-order optimizer, so its state is that "
+            "optimizer's plus its own. The comparable figure is the extra over the first-order "
+            "optimizer; the paper prints no such column: 'derived from paper' is its method's "
+            "number minus its LAMB or SGD number. "
             f"{model_name}: {shape['num_hidden_layers']} layers x {shape['hidden_size']}, "
             f"{params / 4 / 1e6:.1f} M parameters ({params / GB:.2f} GB in fp32, and as much "
-            "again for gradients). The paper's numbers (thesis Table 3.5) are the measured "
-            "peak per A100 and include parameters, gradients, activations and framework "
-            "buffers; ours count optimizer state only, exactly, as the training code holds "
-            "it: every second-order method runs over LAMB, so its state is LAMB's moments plus "
-            "its own. K-FAC: KAISA comm-opt (every GPU holds all factors, eigen-decompositions "
-            f"and communication buffers), the largest of {kfac_ranks} simulated ranks. MKOR: "
-            "two fp16 inverse factors per layer (as the paper). Eva: two vectors per layer. "
-            "The comparable figure is the extra over LAMB."))
+            "again for gradients), over LAMB (two moments per parameter), with the options of "
+            f"configs/bert_large_phase2.json. K-FAC: KAISA {bert_mode}"
+            f"{RUNNER_MODE if bert_mode == 'mem-opt' else ''}: "
+            f"{KAISA_MODES.get(bert_mode, bert_mode)}; "
+            f"{skip_note}. MKOR: two fp16 inverse factors per layer (as the paper) and its "
+            "rank-1 vectors. Eva: two vectors per layer (no paper number). "
+            f"{cnn_name} (torchvision, 1,000 classes): {cnn_params / 4 / 1e6:.1f} M parameters "
+            f"({cnn_params / GB:.3f} GB in fp32), over SGD (one fp32 momentum buffer per "
+            "parameter), with the options of the MKOR repo's ImageNet example "
+            "(reproductions/mkor/tables.py RESNET50_OPTIONS: KAISA's ImageNet defaults, MKOR "
+            f"every 10 steps). K-FAC: KAISA {cnn_mode}, KAISA's default there "
+            f"({KAISA_MODES.get(cnn_mode, cnn_mode)}; Conv2d and Linear layers, BatchNorm "
+            "first-order). MKOR: fp16 inverse factors of every Conv2d and Linear layer (as the "
+            "paper), and its rank-1 vectors."))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,6 +386,9 @@ def main(argv: list[str] | None = None) -> list[Table]:
                         help="experiment whose runs make M3 (default: default)")
     parser.add_argument("--model", default="bert-large", choices=list(MODEL_PRESETS),
                         help="BERT shape of M2 (default: the paper's bert-large)")
+    parser.add_argument("--cnn", default=PAPER_CNN, choices=CNN_CHOICES,
+                        help="torchvision CNN of M2's second half (default: the paper's "
+                             "resnet50)")
     parser.add_argument("--world-size", type=int, default=64,
                         help="GPUs simulated for M1 and M2 (default: the paper's 64)")
     parser.add_argument("--dims", default="256,512,1024,2048",
@@ -285,7 +402,7 @@ def main(argv: list[str] | None = None) -> list[Table]:
     dims = [int(d) for d in args.dims.split(",")]
     runs = load_runs(args.results, args.experiment)
     tables = [complexity_table(dims, args.world_size, args.kfac_ranks),
-              memory_table(args.model, args.world_size, args.kfac_ranks),
+              memory_table(args.model, args.world_size, args.kfac_ranks, args.cnn),
               speedup_table(runs, args.experiment, _shown(args.results)),
               finetune_table()]
     for table in tables:

@@ -31,6 +31,8 @@ def test_paper_phase2_settings() -> None:
     assert config.preconditioner["kfac"]["inv_update_steps"] == 50
     # KAISA's default: factors built and all-reduced in the backward hooks (valid options)
     assert KFACConfig(**config.preconditioner["kfac"]).factors_in_backward
+    # KAISA as the official MKOR BERT runner builds it (comm_method=MEM_OPT)
+    assert config.preconditioner["kfac"]["strategy"] == "mem-opt"
     assert config.preconditioner["mkor"]["inv_update_steps"] == 10
     assert config.preconditioner["mkor-h"]["inv_update_steps"] == 10
     assert config.accumulation_steps(64) == 64 and config.micro_batch(64) == 8

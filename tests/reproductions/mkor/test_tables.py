@@ -6,15 +6,18 @@ from pathlib import Path
 
 import pytest
 
+from core.preconditioner import discover_layers
 from reproductions.common.tables import load_tables
 from reproductions.mkor import tables
+from reproductions.mkor.measure import linear_layer, measure_costs
+from reproductions.mkor.model import build_model
 
 
 def test_tables_from_the_committed_results(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "tables.json"
-    built = tables.main(["--model", "tiny", "--dims", "32,64", "--kfac-ranks", "2",
-                         "--out", str(out)])
+    built = tables.main(["--model", "tiny", "--cnn", "resnet18", "--dims", "32,64",
+                         "--kfac-ranks", "2", "--out", str(out)])
     paper, written = load_tables(out)
     assert paper == "mkor" and [t.id for t in written] == ["M1", "M2", "M3", "M4"]
     assert [t.rows for t in written] == [t.rows for t in built]
@@ -30,10 +33,15 @@ def test_tables_from_the_committed_results(tmp_path: Path,
         2, abs=0.1)
     assert m1[("Eva", "memory (bytes)")][exponent] == pytest.approx(1, abs=0.1)
 
-    m2 = {row[0]: row for row in built[1].rows}
+    m2 = {(row[0], row[1]): row for row in built[1].rows}
     second = built[1].columns.index("ours: second-order state")
-    assert m2["LAMB"][second] == 0 < m2["Eva"][second] < m2["MKOR"][second]
-    assert m2["MKOR"][second] < m2["KAISA (K-FAC)"][second]
+    assert m2[("tiny", "LAMB")][second] == 0 < m2[("tiny", "Eva")][second]
+    assert m2[("tiny", "Eva")][second] < m2[("tiny", "MKOR")][second]
+    assert m2[("tiny", "MKOR")][second] < m2[("tiny", "KAISA (K-FAC) mem-opt")][second]
+    assert m2[("resnet18", "SGD")][second] == 0 < m2[("resnet18", "MKOR")][second]
+    assert m2[("resnet18", "MKOR")][second] < m2[("resnet18", "KAISA (K-FAC) comm-opt")][second]
+    # The paper's numbers stand beside the paper's shapes only (bert-large, resnet50).
+    assert set(built[1].column("paper: GB per GPU")) == {None}
 
     m3 = built[2]
     assert m3.column("optimizer") == ["LAMB", "KAISA (K-FAC)", "MKOR", "MKOR-H", "Eva"]
@@ -47,3 +55,60 @@ def test_tables_from_the_committed_results(tmp_path: Path,
 def test_fitted_exponent() -> None:
     assert tables.fitted_exponent([2, 4, 8], [4, 16, 64]) == pytest.approx(2)
     assert tables.fitted_exponent([2, 4], [0, 1]) is None
+
+
+def test_memory_table_has_a_resnet50_half_and_states_the_kaisa_modes() -> None:
+    """M2: BERT over LAMB (KAISA mem-opt, as the official MKOR BERT runner) and the paper's
+    ResNet-50 over SGD (KAISA comm-opt, KAISA's ImageNet default), each beside Table 3.5."""
+    table = tables.memory_table("tiny", world_size=64, kfac_ranks=2)
+    assert table.id == "M2" and table.kind == "exact"
+    col = {name: i for i, name in enumerate(table.columns)}
+    assert "derived from paper: extra over LAMB/SGD" in col  # never read as a printed number
+    assert [(row[0], row[1]) for row in table.rows] == [
+        ("tiny", "LAMB"), ("tiny", "KAISA (K-FAC) mem-opt"), ("tiny", "MKOR"), ("tiny", "Eva"),
+        ("resnet50", "SGD"), ("resnet50", "KAISA (K-FAC) comm-opt"), ("resnet50", "MKOR")]
+    resnet = {row[1].split(" (")[0]: row for row in table.rows if row[0] == "resnet50"}
+    assert [resnet[m][col["paper: GB per GPU"]] for m in ("SGD", "KAISA", "MKOR")] == [
+        "3.01", "5.83", "3.88"]
+    assert [resnet[m][col["derived from paper: extra over LAMB/SGD"]]
+            for m in ("SGD", "KAISA", "MKOR")] == ["0.00", "2.82", "0.87"]
+    first = col["ours: first-order state (LAMB moments / SGD momentum)"]
+    second = col["ours: second-order state"]
+    # By hand: SGD's momentum is ResNet-50's 25,557,032 fp32 parameters; KAISA comm-opt holds
+    # factors, eigen-decompositions and buffers of every layer (1,846.5 MB, as DP-KFAC's D2);
+    # MKOR's fp16 inverse factors are 307.7 MB, plus its fp32 rank-1 vectors (0.33 MB).
+    assert resnet["SGD"][first] * tables.GB == 4 * 25_557_032
+    assert resnet["KAISA"][second] * tables.GB == pytest.approx(1846.5e6, rel=1e-4)
+    assert 307.7e6 < resnet["MKOR"][second] * tables.GB < 308.1e6
+    for row in table.rows:
+        total = col["ours: optimizer state GB per GPU"]
+        assert row[total] == pytest.approx(row[first] + row[second])
+        assert row[col["ours: extra over LAMB/SGD"]] == row[second]
+    for said in ("KAISA mem-opt", "comm_method=MEM_OPT", "KAISA comm-opt",
+                 "optimizer state only", "extra over the first-order optimizer",
+                 "BertLMPredictionHead", "skipping only the vocabulary decoder"):
+        assert said in table.notes
+
+
+def test_paper_scale_kaisa_is_the_official_runners() -> None:
+    """bert_large_phase2.json's K-FAC: mem-opt, the whole LM-prediction head first-order."""
+    kfac = tables.second_order_options()["kfac"]
+    assert kfac["strategy"] == "mem-opt"
+    model = build_model("tiny", vocab_size=64, dropout=0.0)
+    kept = [name for name, _ in discover_layers(model, kfac["skip_layers"])]
+    assert kept and not any(name.startswith("cls.predictions") for name in kept)
+    assert "cls.seq_relationship" in kept  # the NSP classifier is preconditioned
+    # MKOR keeps the training code's default: only the vocabulary decoder is skipped.
+    mkor = [name for name, _ in discover_layers(model, tables.second_order_options()["mkor"][
+        "skip_layers"])]
+    assert "cls.predictions.transform.dense" in mkor and "cls.predictions.decoder" not in mkor
+
+
+def test_measure_costs_of_sgd_and_a_subset_of_methods() -> None:
+    model, loss = linear_layer(8)
+    costs = measure_costs(model, loss, world_size=4, options={}, methods=("sgd", "lamb"))
+    assert list(costs) == ["sgd", "lamb"]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert costs["sgd"].state_bytes == params and costs["lamb"].state_bytes == 2 * params
+    with pytest.raises(ValueError, match="adam"):
+        measure_costs(model, loss, world_size=4, options={}, methods=("adam",))
