@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -164,17 +164,21 @@ def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: f
 
 def gradient_norm_scale(p: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
     """``‖∇W̄‖ / ‖P‖``: the factor that gives ``P`` the gradient's norm, so LR schedules keep
-    their meaning; and whether it can be trusted. Both 0-d tensors, computed without waiting
-    for the device (no per-layer sync on a GPU).
-
-    The scale is 0 for a zero ``P``, which the nonsingular inverses give only for a zero
-    gradient, so ``P`` times it is the raw gradient then too. It is trusted when finite, and
-    positive unless the gradient is zero: in a narrow dtype ``‖P‖²`` can underflow to 0 or
-    overflow (and ``‖∇W̄‖²`` likewise) while ``P`` and the rescaled result are ordinary
-    numbers, and a ``P`` that overflowed gives 0 too."""
+    their meaning; and ``‖∇W̄‖²``, which :func:`trusted_scales` reads. Both 0-d tensors,
+    computed without waiting for the device (no per-layer sync on a GPU). The scale is 0 for
+    a zero ``P``, which the nonsingular inverses give only for a zero gradient, so ``P`` times
+    it is the raw gradient then too."""
     p_square, g_square = squared_norm(p), squared_norm(grad)
-    scale = torch.where(p_square > 0, torch.sqrt(g_square / p_square), 0.0)
-    return scale, scale.isfinite() & ((scale > 0) | (g_square == 0))
+    return torch.where(p_square > 0, torch.sqrt(g_square / p_square), 0.0), g_square
+
+
+def trusted_scales(scales: Sequence[Tensor], g_squares: Sequence[Tensor]) -> list[bool]:
+    """Which of the layers' :func:`gradient_norm_scale` results can be trusted, in one host
+    transfer: a scale finite, and positive unless its gradient is zero. In a narrow dtype
+    ``‖P‖²`` can underflow to 0 or overflow (and ``‖∇W̄‖²`` likewise) while ``P`` and the
+    rescaled result are ordinary numbers, and a ``P`` that overflowed gives 0 too."""
+    scale, g_square = torch.stack(list(scales)), torch.stack(list(g_squares))
+    return (scale.isfinite() & ((scale > 0) | (g_square == 0))).tolist()
 
 
 @dataclass(kw_only=True)
@@ -388,27 +392,29 @@ class MKORPreconditioner(Rank1Preconditioner):
         writes is copied first (:func:`~core.layer_base.unaliased`).
 
         Then one host transfer for all layers tells which results are not ordinary numbers: a
-        rescale that cannot be trusted (:func:`gradient_norm_scale`), or without the rescale a
+        rescale that cannot be trusted (:func:`trusted_scales`), or without the rescale a
         ``P`` that is not finite. Those layers are done again in float64
         (:meth:`MKORLayer.rescaled_in_float64`, counted in ``wide_rescales``); one still not
         finite keeps its raw gradient, with a warning and a count
         (``nonfinite_preconditioned``)."""
         rescale = self.config.rescale
-        written, checks = [], []
+        written, scales, reads = [], [], []
         for layer, (grad,) in unaliased([(layer, (grad,)) for layer, grad in grads]):
             grad = grad.to(self.dtype)
             p = layer.precondition(grad)
+            scale = None
             if rescale:
-                scale, trusted = gradient_norm_scale(p, grad)
-                checks.append(trusted)
+                scale, g_square = gradient_norm_scale(p, grad)
+                scales.append(scale)
+                reads.append(g_square)
             else:
-                scale = None
-                checks.append(p.sum().isfinite())
+                reads.append(p.sum())  # finite exactly when every entry is
             layer.helper.set_grad(p, scale)
             written.append((layer, grad))
         if not written:
             return
-        ok = torch.stack(checks).tolist()
+        ok = (trusted_scales(scales, reads) if rescale
+              else torch.stack(reads).isfinite().tolist())
         left_raw = []
         for (layer, grad), good in zip(written, ok, strict=True):
             if good:

@@ -18,7 +18,7 @@ from torch import nn
 
 from core import ConfigError, MKORConfig, MKORPreconditioner
 from core.layer_base import squared_norm
-from core.mkor import gradient_norm_scale, stabiliser_fires, update_inverse
+from core.mkor import gradient_norm_scale, stabiliser_fires, trusted_scales, update_inverse
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -80,15 +80,15 @@ def test_stabiliser_blends_towards_identity_above_epsilon_only(rule: str) -> Non
 def test_rescale_takes_the_gradient_norm() -> None:
     p = torch.tensor([[3.0, 4.0]], dtype=F64)
     grad = torch.tensor([[0.0, 10.0]], dtype=F64)
-    scale, trusted = gradient_norm_scale(p, grad)
+    scale, g_square = gradient_norm_scale(p, grad)
     torch.testing.assert_close(scale, torch.tensor(2.0, dtype=F64))  # ‖∇W̄‖ / ‖P‖ = 10 / 5
-    assert bool(trusted)
-    zero, trusted = gradient_norm_scale(torch.zeros_like(p), torch.zeros_like(grad))
-    assert zero.item() == 0.0 and bool(trusted)  # a zero P (a zero gradient) stays zero
-    # ‖P‖² under- and overflows fp32 for ordinary P: the scale is not trusted
-    for size in (1e-25, 1e25):
-        scale, trusted = gradient_norm_scale(torch.full((2, 2), size), torch.ones(2, 2))
-        assert not bool(trusted)
+    zero, zero_square = gradient_norm_scale(torch.zeros_like(p), torch.zeros_like(grad))
+    assert zero.item() == 0.0  # a zero P (a zero gradient) stays zero
+    # ‖P‖² under- and overflows fp32 for ordinary P: those scales are not trusted
+    tiny, big = (gradient_norm_scale(torch.full((2, 2), size), torch.ones(2, 2))
+                 for size in (1e-25, 1e25))
+    assert trusted_scales([scale, zero, tiny[0], big[0]],
+                          [g_square, zero_square, tiny[1], big[1]]) == [True, True, False, False]
     big = torch.randn(70, 33, dtype=torch.float32)
     torch.testing.assert_close(squared_norm(big), big.double().square().sum().float())
 
