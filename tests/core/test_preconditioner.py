@@ -509,3 +509,22 @@ def test_factors_in_backward_overflow_completes_the_started_reduction_then_skips
     backward(model, x, y)  # the next step starts clean
     precond.step()
     assert strategy.log[4:] == ["add 2", "add 0", "finish", "complete", "gradients"]
+
+
+def test_an_fp16_layers_preconditioned_gradient_beyond_fp16s_range_keeps_the_raw_gradient(
+        ) -> None:
+    """A ``P`` finite in fp32 rounds to infinities above 65,504 when written into an fp16
+    parameter's ``.grad``: the finiteness check had read it before that cast, so inf was
+    written and not counted. Now the layer keeps its raw gradient, with a warning and a
+    count."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 16)).half()
+    precond = KFACPreconditioner(model, damping=1e-9, kl_clip=None)
+    x = torch.randn(32, 64).half()
+    ((model(x).float() * torch.randn(32, 16)).sum(1).mean() * 1e-3).backward()
+    raw = [p.grad.clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="preconditioned gradient of 0 exceeds float16's range"):
+        precond.step()
+    for p, r in zip(model.parameters(), raw, strict=True):
+        assert torch.equal(p.grad, r)
+    assert precond.nonfinite_preconditioned == 1
