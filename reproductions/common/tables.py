@@ -198,6 +198,30 @@ def update_tables(path: Path, paper: str, tables: Sequence[Table]) -> Path:
     return write_tables(path, paper, merged + list(fresh.values()))
 
 
+def read_schema_file(path: Path, schema: str, error: type[Exception], fix: str = ""
+                     ) -> dict[str, Any]:
+    """A JSON object from ``path`` whose ``schema`` field is ``schema``.
+
+    Args:
+        path: The file.
+        schema: The ``schema`` it must declare.
+        error: The exception type raised (a user error that the command lines report in one
+            line).
+        fix: What to do when the file cannot be read (appended to that message).
+
+    Raises:
+        Exception: ``error``, starting with the path, when the file is missing, not JSON, or
+            not an object of ``schema``.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise error(f"{path}: cannot be read as JSON ({err}){fix}") from None
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        raise error(f"{path}: field 'schema' must be {schema!r}")
+    return data
+
+
 def load_tables(path: Path) -> tuple[str, list[Table]]:
     """Read and validate a tables file.
 
@@ -209,12 +233,7 @@ def load_tables(path: Path) -> tuple[str, list[Table]]:
             with the path.
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise TablesError(f"{path}: cannot be read as JSON ({err})") from None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise TablesError(f"{path}: field 'schema' must be {SCHEMA!r}")
+    data = read_schema_file(path, SCHEMA, TablesError)
     if not isinstance(data.get("paper"), str) or not isinstance(data.get("tables"), list):
         raise TablesError(f"{path}: needs a 'paper' string and a 'tables' list")
     tables = [Table.from_json(t, f"{path}: tables[{i}]") for i, t in enumerate(data["tables"])]

@@ -252,7 +252,8 @@ def evaluate(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]],
     return {"loss": mean[0], "mlm_loss": mean[1], "nsp_loss": mean[2]}
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op on the CPU), so a clock reads it done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -272,11 +273,11 @@ def _base_step_timer(optimizer: SecondOrderOptimizer, device: torch.device) -> d
     started: list[float] = []
 
     def pre(*_: Any) -> None:
-        _sync(device)
+        sync_device(device)
         started.append(time.perf_counter())
 
     def post(*_: Any) -> None:
-        _sync(device)
+        sync_device(device)
         totals["base_step"] += time.perf_counter() - started.pop()
 
     optimizer.base.register_step_pre_hook(pre)
@@ -425,7 +426,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
                     desc=f"{cfg.experiment} {name}", dynamic_ncols=True, file=sys.stdout)
     model.train()
     for step in progress:
-        _sync(ctx.device)
+        sync_device(ctx.device)
         t0 = time.perf_counter()
         optimizer.zero_grad()
         parts = torch.zeros(3)
@@ -440,7 +441,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
             parts += torch.stack([x.detach().float().cpu() for x in losses]) / accumulation
         loss, mlm_loss, nsp_loss = _mean_over_ranks(parts.tolist(), ctx)
         lr = optimizer.param_groups[0]["lr"]  # this step's (the scheduler moves it on below)
-        _sync(ctx.device)
+        sync_device(ctx.device)
         t1 = time.perf_counter()
         scale = scaler.get_scale()
         scaler.step(optimizer, loss)  # = optimizer.step(loss) unless fp16 gradients overflowed
@@ -448,7 +449,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         if scaler.get_scale() < scale:  # skipped on an overflow: the captures are dropped
             optimizer.skip_step()
         scheduler.step()
-        _sync(ctx.device)
+        sync_device(ctx.device)
         t2 = time.perf_counter()
 
         metrics = optimizer.metrics()

@@ -11,19 +11,28 @@
   (:mod:`reproductions.mkor.report` defines the measure).
 * **M4, SQuAD / GLUE fine-tuning**, needs data: the paper's scores and the commands that
   produce ours from the user's copy of the data.
+* **M5, Figure 6 in small** and **M6, Table A.2 in small**: epochs and time to a test-accuracy
+  target for MKOR, KAISA and SGD on a small ResNet on Fashion-MNIST, and against the learning
+  rate, from the committed runs of :mod:`reproductions.mkor.cnn_study`.
+* **M7, time per iteration against the inversion interval** (Fig. 3.4a), small: from the
+  committed measurement of :mod:`reproductions.mkor.frequency` on the default BERT.
+* **M8, rank-1 approximation error of the factors during training** (Fig. 3.6 / A.4), small:
+  from the committed measurement of :mod:`reproductions.mkor.rank1_error`.
 
 The tables are printed as Markdown and written in the ``kfac-repro/tables/v1`` schema to
-``reproductions/mkor/results/tables.json``. Measuring BERT-Large and ResNet-50 takes a minute
-or a few on a CPU (one real update step of each method; ``--model`` and ``--cnn`` pick smaller
-shapes).
+``reproductions/mkor/results/tables.json`` (``--sections`` rebuilds some and keeps the rest).
+Measuring BERT-Large and ResNet-50 (M1, M2) takes a minute or a few on a CPU (one real update
+step of each method; ``--model`` and ``--cnn`` pick smaller shapes); the other tables read
+committed results.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +41,8 @@ import torch
 from core.rank1 import BERT_DECODER_PATTERN
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import load_results
-from reproductions.common.tables import Table, write_tables
+from reproductions.common.tables import Table, update_tables
+from reproductions.mkor import cnn_study, frequency, rank1_error
 from reproductions.mkor.config import MODEL_PRESETS, load_config
 from reproductions.mkor.measure import (
     METHODS,
@@ -99,6 +109,8 @@ PAPER_TABLE2 = {  # iterations, hours, speed-up, SQuAD v1.1 F1 (paper Table 2)
 PAPER_GLUE_AVERAGE = {  # paper Table 3 (MKOR's 600-iteration row; its 1,500-iteration row: 0.8214)
     "lamb": "0.8023", "kfac": "0.796", "mkor": "0.8078", "mkor-h": "0.811", "eva": "0.809"}
 GB = 1e9
+SECTIONS = ("M1", "M2", "M3", "M4", "M5", "M6", "M7", "M8")
+"""The tables :func:`main` builds, in the file's order."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,19 +407,29 @@ def main(argv: list[str] | None = None) -> list[Table]:
                         help="layer widths d of M1, comma-separated (default: 256,512,1024,2048)")
     parser.add_argument("--kfac-ranks", type=int, default=16,
                         help="K-FAC ranks simulated (evenly spread; the largest is reported)")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="tables to build (default: all); the others in --out are kept")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "tables.json",
                         help="tables file to write (default: reproductions/mkor/results/"
                              "tables.json)")
     args = parser.parse_args(argv)
     dims = [int(d) for d in args.dims.split(",")]
-    runs = load_runs(args.results, args.experiment)
-    tables = [complexity_table(dims, args.world_size, args.kfac_ranks),
-              memory_table(args.model, args.world_size, args.kfac_ranks, args.cnn),
-              speedup_table(runs, args.experiment, _shown(args.results)),
-              finetune_table()]
+    study = functools.cache(cnn_study.study_tables)  # M5 and M6 come from one reading
+    builders: dict[str, Callable[[], Table]] = {
+        "M1": lambda: complexity_table(dims, args.world_size, args.kfac_ranks),
+        "M2": lambda: memory_table(args.model, args.world_size, args.kfac_ranks, args.cnn),
+        "M3": lambda: speedup_table(load_runs(args.results, args.experiment), args.experiment,
+                                    _shown(args.results)),
+        "M4": finetune_table,
+        "M5": lambda: study()[0],
+        "M6": lambda: study()[1],
+        "M7": frequency.table_from_results,
+        "M8": rank1_error.table_from_results,
+    }
+    tables = [builders[section]() for section in args.sections]
     for table in tables:
         print(table.markdown(), end="\n\n")
-    write_tables(args.out, "mkor", tables)
+    update_tables(args.out, "mkor", tables)
     print(f"written: {args.out}")
     return tables
 

@@ -19,8 +19,12 @@ def test_tables_from_the_committed_results(tmp_path: Path,
     built = tables.main(["--model", "tiny", "--cnn", "resnet18", "--dims", "32,64",
                          "--kfac-ranks", "2", "--out", str(out)])
     paper, written = load_tables(out)
-    assert paper == "mkor" and [t.id for t in written] == ["M1", "M2", "M3", "M4"]
+    assert paper == "mkor" and [t.id for t in written] == list(tables.SECTIONS)
     assert [t.rows for t in written] == [t.rows for t in built]
+    # --sections rebuilds some tables and keeps the others in the file
+    again = tables.main(["--sections", "M4", "M8", "--out", str(out)])
+    assert [t.id for t in again] == ["M4", "M8"]
+    assert [t.id for t in load_tables(out)[1]] == list(tables.SECTIONS)
     text = capsys.readouterr().out
     for table in built:
         assert f"### {table.id}:" in text
