@@ -115,16 +115,20 @@ class PaperResults:
         runs: Validated run results, sorted by experiment, optimizer and seed.
         tables: Rebuilt tables, in file then table order.
         deviations: The reproduction README's deviations section (Markdown), or "".
+        sweeps: Per results folder holding a sweep (a ``grid.json`` beside its runs: many
+            short runs, one per cell, which a table summarises), how many validated runs it
+            has; they get no figures of their own.
     """
 
     runs: list[dict[str, Any]] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     deviations: str = ""
+    sweeps: dict[str, int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         """Whether nothing at all is committed."""
-        return not self.runs and not self.tables
+        return not self.runs and not self.tables and not self.sweeps
 
 
 def check_paper_vs_ours(table: Table, path: Path) -> None:
@@ -198,7 +202,11 @@ def read_paper(directory: Path) -> PaperResults:
         except json.JSONDecodeError as exc:
             raise PagesError(f"{path}: not valid JSON ({exc})") from None
         schema = data.get("schema") if isinstance(data, dict) else None
-        if schema == RESULTS_SCHEMA:
+        if schema == RESULTS_SCHEMA and (path.parent / "grid.json").is_file():
+            load_results(path)  # validated like any run
+            folder = str(path.parent.relative_to(directory / "results"))
+            found.sweeps[folder] = found.sweeps.get(folder, 0) + 1
+        elif schema == RESULTS_SCHEMA:
             found.runs.append(load_results(path))
         elif schema == tables.SCHEMA:
             _, file_tables = tables.load_tables(path)
@@ -475,8 +483,11 @@ def paper_page(paper: Paper, results: PaperResults, img_dir: Path) -> str:
             by_experiment[run["experiment"]].append(run)
         parts += [experiment_section(paper.slug, name, runs, img_dir)
                   for name, runs in by_experiment.items()]
-    else:
+    elif not results.sweeps:
         parts.append("No run results are committed yet.")
+    parts += [f"The {count} runs of the sweep in `reproductions/{paper.slug}/results/{folder}/` "
+              "(one per cell, with its `grid.json`) are summarised by its table above."
+              for folder, count in sorted(results.sweeps.items())]
     parts.append("## Deviations")
     if results.deviations:
         parts.append(results.deviations)
@@ -493,8 +504,10 @@ def index_page(status: Mapping[str, PaperResults]) -> str:
     for paper in PAPERS:
         results = status[paper.slug]
         experiments = sorted({run["experiment"] for run in results.runs})
+        swept = "".join(f", {count} runs of the {folder} sweep"
+                        for folder, count in sorted(results.sweeps.items()))
         rows.append((f"[{paper.short}]({paper.slug}.md)", paper.claim,
-                     f"{len(results.runs)} runs ({', '.join(experiments) or 'none'}), "
+                     f"{len(results.runs)} runs ({', '.join(experiments) or 'none'}){swept}, "
                      f"{len(results.tables)} tables"))
     return "\n\n".join([
         "# Reproductions",

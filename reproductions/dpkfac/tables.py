@@ -1,4 +1,4 @@
-"""Rebuild the DP-KFAC paper's per-update comparison at 64 GPUs (TABLES.md D1–D5).
+"""Rebuild the DP-KFAC paper's per-update comparison at 64 GPUs (TABLES.md D1–D6).
 
     python -m reproductions.dpkfac.tables            # ~5–10 min on 2 CPU cores
     python -m reproductions.dpkfac.tables --quick    # ResNet-50 at P = 8, tiny timing budget
@@ -14,7 +14,8 @@ workers, every scheme of :data:`~reproductions.dpkfac.workloads.SCHEMES` is simu
 * D1–D3 ratios of DP-KFAC against each baseline, next to the abstract's ranges;
 * D4, a modelled iteration time (measured compute here plus an alpha-beta network), and D4v,
   the model's communication term against real gloo runs at P = 2 and 4;
-* D5, the convergence runs, read from the results files ``reproductions.dpkfac.train`` writes.
+* D5, the convergence runs, read from the results files ``reproductions.dpkfac.train`` writes;
+* D6, damping × update interval, read from the grid ``reproductions.dpkfac.sensitivity`` ran.
 
 Writes ``results/tables.json`` (schema ``kfac-repro/tables/v1``) and prints Markdown.
 """
@@ -50,6 +51,7 @@ from reproductions.common.results import ResultsError, load_results
 from reproductions.common.shapes import LayerShape, Workload, layer_shapes
 from reproductions.common.tables import Table, write_tables
 from reproductions.common.timemodel import STAGES, AlphaBeta, stage_seconds
+from reproductions.dpkfac.sensitivity import sensitivity_table
 from reproductions.dpkfac.validation import Validation, validate
 from reproductions.dpkfac.workloads import (
     BASELINES,
@@ -458,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"gloo validation at P = {validate_sizes} …", flush=True)
         tables.append(validation_table(validate(validate_sizes, VALIDATION_SCHEMES)))
     tables.append(convergence_table(args.results_dir))
+    tables.append(sensitivity_table(args.results_dir / "sensitivity"))
     write_tables(args.output, "dpkfac", tables)
     for table in tables:
         print()

@@ -166,3 +166,28 @@ def test_committed_pages_are_what_the_committed_results_give(tmp_path: Path) -> 
         assert (tmp_path / "reproductions" / name).read_text() == \
             (REPO_ROOT / "docs" / "reproductions" / name).read_text(), \
             f"docs/reproductions/{name} is stale: run `make docs` and commit it"
+
+
+def test_a_sweeps_runs_are_counted_and_summarised_not_drawn(tmp_path: Path) -> None:
+    """A results folder with a ``grid.json`` holds a sweep (one short run per cell, which a
+    table summarises): its runs are validated and counted, and get no section or figures of
+    their own (DP-KFAC's 41-run damping x interval grid drew 105 figures)."""
+    directory = write_reproduction(tmp_path, "dpkfac")
+    sweep = directory / "results" / "grid"
+    sweep.mkdir()
+    for run in (directory / "results").glob("default-*.json"):
+        data = json.loads(run.read_text())
+        data["experiment"] = f"cell-{data['optimizer']}"
+        (sweep / run.name).write_text(json.dumps(data))
+    (sweep / "grid.json").write_text('{"schema": "grid/v1"}')
+    found = read_paper(directory)
+    assert found.sweeps == {"grid": len(OPTIMIZERS)}
+    assert {run["experiment"] for run in found.runs} == {"default"}
+    write_pages(tmp_path, tmp_path / "docs")
+    page = (tmp_path / "docs" / "reproductions" / "dpkfac.md").read_text()
+    count = len(OPTIMIZERS)
+    assert f"The {count} runs of the sweep in `reproductions/dpkfac/results/grid/`" in page
+    assert "### cell-" not in page
+    assert not list((tmp_path / "docs" / "reproductions" / "img").glob("dpkfac-cell-*"))
+    index = (tmp_path / "docs" / "reproductions" / "index.md").read_text()
+    assert f"{len(OPTIMIZERS)} runs of the grid sweep" in index

@@ -19,7 +19,7 @@ def test_quick_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     paper, tables = load_tables(output)
     assert paper == "dpkfac"
     by_id = {t.id: t for t in tables}
-    assert list(by_id) == ["D1", "D2", "D3", "D1-D3", "D4", "D5"]
+    assert list(by_id) == ["D1", "D2", "D3", "D1-D3", "D4", "D5", "D6"]
     assert "### D1: Communication per worker" in capsys.readouterr().out
     d1 = by_id["D1"]
     rows = {row[1]: dict(zip(d1.columns, row, strict=True)) for row in d1.rows}
