@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _fine_tune_task(task: GlueTask, args: argparse.Namespace) -> dict[str, Any]:
     """The body of :func:`main`: the model, the features of both splits, fine-tuning."""
     tokenizer, model = load_pretrained(args.model, BertForSequenceClassification,
-                                       max_seq_len=args.max_seq_len,
+                                       max_seq_len=args.max_seq_len, seed=args.seed,
                                        num_labels=len(task.labels) if task.labels else 1)
 
     def features(split: str) -> Dataset:

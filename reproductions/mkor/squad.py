@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _fine_tune_squad(args: argparse.Namespace) -> dict[str, Any]:
     """The body of :func:`main`: the model, the training windows and dev set, fine-tuning."""
     tokenizer, model = load_pretrained(args.model, BertForQuestionAnswering,
-                                       max_seq_len=args.max_seq_len)
+                                       max_seq_len=args.max_seq_len, seed=args.seed)
     train = training_features(tokenizer, read_squad(args.data_dir / "train-v1.1.json"),
                               args.max_seq_len, args.doc_stride)
     dev_questions = read_squad(args.data_dir / "dev-v1.1.json")

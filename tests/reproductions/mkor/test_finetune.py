@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from reproductions.common.checkpoint import checkpoint_step, list_checkpoints
 from reproductions.common.results import load_results
 from reproductions.mkor import data, glue, squad
 from reproductions.mkor.model import build_model
@@ -60,6 +61,59 @@ def test_glue_rte_cola_and_stsb(model_dir: Path, tmp_path: Path) -> None:
         assert len(results["steps"]) == 4 and len(results["evals"]) == 2
         assert -1.0 <= results["summary"][metric] <= 1.0
         load_results(tmp_path / "o" / f"glue-{task}" / "mkor-s0" / "results.json")
+
+
+def rte_data(glue_dir: Path) -> Path:
+    """Six RTE examples (train) and four (dev) in the official format."""
+    rte = [["index", "sentence1", "sentence2", "label"]] + [
+        [str(i), f"The model learns step {i}.", "It learns.",
+         ("entailment", "not_entailment")[i % 2]] for i in range(6)]
+    write_tsv(glue_dir / "RTE" / "train.tsv", rte)
+    write_tsv(glue_dir / "RTE" / "dev.tsv", rte[:4])
+    return glue_dir
+
+
+def test_an_interrupted_finetuning_run_resumes_exactly(model_dir: Path, tmp_path: Path) -> None:
+    """Stopped mid-epoch and mid-way through the next, then resumed twice: the same losses,
+    learning rates and scores as an uninterrupted run, and one checkpoint file per save kept."""
+    glue_dir = rte_data(tmp_path / "glue_data")
+    # 6 examples in batches of 4: 2 steps an epoch, 3 epochs.
+    base = ["--task", "rte", *common_args(glue_dir, model_dir, tmp_path / "whole"),
+            "--epochs", "3"]
+    whole = glue.main(base)
+    parts = ["--task", "rte", *common_args(glue_dir, model_dir, tmp_path / "parts"),
+             "--epochs", "3"]
+    first = glue.main([*parts, "--stop-after", "1"])
+    assert first["finished"] is None and len(first["steps"]) == 1 and not first["evals"]
+    checkpoints = tmp_path / "parts" / "glue-rte" / "mkor-s0" / "checkpoints"
+    assert [checkpoint_step(p) for p in list_checkpoints(checkpoints)] == [1]
+    second = glue.main([*parts, "--resume", "--stop-after", "2"])
+    assert len(second["steps"]) == 3 and len(second["evals"]) == 1
+    resumed = glue.main([*parts, "--resume"])
+    assert resumed["finished"] is not None
+    for key in ("loss", "lr"):
+        assert [s[key] for s in resumed["steps"]] == [s[key] for s in whole["steps"]], key
+    assert resumed["evals"] == whole["evals"] and resumed["summary"] == whole["summary"]
+    assert [s["step"] for s in resumed["steps"]] == list(range(6))
+    assert [checkpoint_step(p) for p in list_checkpoints(checkpoints)] == [4, 6]
+    again = glue.main([*parts, "--resume"])  # a finished run is not trained again
+    assert again["steps"] == resumed["steps"]
+
+
+def test_finetuning_resume_refuses_other_options_and_a_fresh_run_starts_over(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume with another learning rate: status 1 naming the setting; without --resume the
+    earlier checkpoints are deleted, so the run trains from step 0."""
+    glue_dir = rte_data(tmp_path / "glue_data")
+    args = ["--task", "rte", *common_args(glue_dir, model_dir, tmp_path / "o")]
+    glue.main([*args, "--stop-after", "1"])
+    with pytest.raises(SystemExit) as info:
+        glue.main([*args, "--resume", "--lr", "0.5"])
+    assert info.value.code == 1
+    line = one_error_line(capsys, "python -m reproductions.mkor.glue")
+    assert "saved by a run with other settings (lr: 2e-05 saved, 0.5 now)" in line
+    fresh = glue.main(args)
+    assert [s["step"] for s in fresh["steps"]] == [0, 1, 2, 3]
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str], prog: str) -> str:
