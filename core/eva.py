@@ -33,6 +33,7 @@ Conventions kept from Eva's code, because its damping values are tuned against t
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,7 +43,16 @@ from torch import Tensor
 from core.config import check_hyper, check_schedulable
 from core.hyper import Schedulable
 from core.inverse import kl_clip_scale
-from core.layer_base import cloned, finite_gradients, nbytes, restored, sum_of_squares, unaliased
+from core.layer_base import (
+    HALF_OVERFLOW_FIX,
+    cloned,
+    finite_gradients,
+    half_overflows,
+    nbytes,
+    restored,
+    sum_of_squares,
+    unaliased,
+)
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 from core.timing import traced
@@ -102,6 +112,9 @@ class EvaLayer(Rank1Layer):
 
     #: ``‖ā‖² ‖ḡ‖²`` of the running averages, refreshed whenever they change.
     norm_product: Tensor | None = None
+    #: Steps on which this layer's ``P`` left its float16 weight's range and the raw gradient
+    #: was kept.
+    nonfinite_preconditioned: int = 0
 
     def update(self, a: Tensor, g: Tensor, decay: float) -> None:
         """Blend the rank-averaged vectors into the running averages."""
@@ -144,7 +157,8 @@ class EvaLayer(Rank1Layer):
         return {"vectors": nbytes(self.a.value, self.g.value)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"a": cloned(self.a.value), "g": cloned(self.g.value)}
+        return {"a": cloned(self.a.value), "g": cloned(self.g.value),
+                "nonfinite_preconditioned": self.nonfinite_preconditioned}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, dim in (("a", self.a_dim), ("g", self.g_dim)):
@@ -155,6 +169,7 @@ class EvaLayer(Rank1Layer):
         self.a.value, self.g.value = (restored(state[key], self.device, self.dtype)
                                       for key in ("a", "g"))
         self._refresh_norm_product()
+        self.nonfinite_preconditioned = int(state.get("nonfinite_preconditioned", 0))
 
 
 class EvaPreconditioner(Rank1Preconditioner):
@@ -235,10 +250,30 @@ class EvaPreconditioner(Rank1Preconditioner):
             layer.helper.add_outer_to_grad(parts, layer.g.value, layer.a.value,
                                            beta=scale / damping,
                                            alpha=-scale * coefficient / damping)
+        self._restore_half_overflows(dict(ready))
+
+    def _restore_half_overflows(self, raw: dict[EvaLayer, tuple[Tensor, Tensor | None]]
+                                ) -> None:
+        """Give back its raw gradient, counted and reported, to each float16 layer whose
+        written ``P`` left float16's range (:func:`~core.layer_base.half_overflows`); the raw
+        parts are this step's copies in the statistics' dtype, which a float16 weight's
+        gradient always gets."""
+        overflowed = half_overflows(list(raw))
+        for layer in overflowed:
+            layer.nonfinite_preconditioned += 1
+            layer.helper.add_outer_to_grad(raw[layer], layer.g.value, layer.a.value,
+                                           beta=1.0, alpha=0.0)
+        if overflowed:
+            total = sum(x.nonfinite_preconditioned for x in self.layers)
+            warnings.warn(f"preconditioned gradient of {', '.join(x.name for x in overflowed)} "
+                          "exceeds float16's range; left first-order this step "
+                          f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=3)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, KL-clip scale and damping."""
         out = super().metrics()
         out["kl_scale"] = self.last_kl_scale
+        out["nonfinite_preconditioned"] = float(sum(x.nonfinite_preconditioned
+                                                    for x in self.layers))
         out["damping"] = self._damping()
         return out

@@ -117,6 +117,27 @@ def unaliased(items: Sequence[tuple[Any, tuple[Tensor | None, ...]]]
     return out
 
 
+def half_overflows(layers: Sequence[PreconditionedLayer]) -> list[PreconditionedLayer]:
+    """Those of ``layers`` with float16 weights whose written ``.grad`` left float16's range.
+
+    A ``P`` finite in the preconditioner's wider dtype rounds to infinities above 65,504 when
+    it is written into a float16 gradient, which the optimizer would then apply. One fp32
+    summation per such layer decides (a sum is finite exactly when its terms are) and one
+    transfer reads them all; models without float16 parameters cost nothing.
+    """
+    half = [layer for layer in layers if layer.helper.weight.dtype == torch.float16]
+    if not half:
+        return []
+    sums = torch.stack([sum(t.sum(dtype=torch.float32) for t in layer.helper.grad_tensors())
+                        for layer in half])
+    return [layer for layer, ok in zip(half, sums.isfinite().tolist(), strict=True) if not ok]
+
+
+HALF_OVERFLOW_FIX = ("raise the damping, or keep the parameters in fp32 (AMP autocast with "
+                     "fp32 weights)")
+"""What a warning about :func:`half_overflows` tells the user to do."""
+
+
 def finite_gradients(layers: Sequence[PreconditionedLayer],
                      settle: Callable[[], None] | None = None, *, parts: bool = False,
                      squared_norms: dict[str, Tensor] | None = None

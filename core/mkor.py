@@ -50,7 +50,15 @@ from core.config import (
 )
 from core.hyper import Schedulable
 from core.inverse import extremes
-from core.layer_base import cloned, nbytes, restored, squared_norm, unaliased
+from core.layer_base import (
+    HALF_OVERFLOW_FIX,
+    cloned,
+    half_overflows,
+    nbytes,
+    restored,
+    squared_norm,
+    unaliased,
+)
 from core.layers import LayerHelper
 from core.rank1 import Rank1Config, Rank1Layer, Rank1Preconditioner
 from core.timing import traced
@@ -396,7 +404,8 @@ class MKORPreconditioner(Rank1Preconditioner):
         ``P`` that is not finite. Those layers are done again in float64
         (:meth:`MKORLayer.rescaled_in_float64`, counted in ``wide_rescales``); one still not
         finite keeps its raw gradient, with a warning and a count
-        (``nonfinite_preconditioned``)."""
+        (``nonfinite_preconditioned``); so does a float16 weight whose written ``P`` left
+        float16's range (:func:`~core.layer_base.half_overflows`)."""
         rescale = self.config.rescale
         written, scales, reads = [], [], []
         for layer, (grad,) in unaliased([(layer, (grad,)) for layer, grad in grads]):
@@ -424,11 +433,20 @@ class MKORPreconditioner(Rank1Preconditioner):
                 layer.nonfinite_preconditioned += 1
                 left_raw.append(layer.name)
             layer.helper.set_grad(grad.clone() if redone is None else redone)
+        raw = {layer.name: grad for layer, grad in written}
+        overflowed = half_overflows([layer for layer, _ in written])
+        for layer in overflowed:
+            layer.nonfinite_preconditioned += 1
+            layer.helper.set_grad(raw[layer.name].clone())
+        total = sum(x.nonfinite_preconditioned for x in self.layers)
         if left_raw:
-            total = sum(x.nonfinite_preconditioned for x in self.layers)
             warnings.warn(f"non-finite preconditioned gradient in {', '.join(left_raw)}; left "
                           f"first-order this step ({total} layer-steps so far): check the "
                           "update rule and the stabiliser (epsilon)", stacklevel=3)
+        if overflowed:
+            warnings.warn(f"preconditioned gradient of {', '.join(x.name for x in overflowed)} "
+                          "exceeds float16's range; left first-order this step "
+                          f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=3)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, stabiliser firings and update failures."""

@@ -26,7 +26,12 @@ from core.config import (
 )
 from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_scale, kl_product
 from core.kfac_layer import KFACLayer
-from core.layer_base import check_saved_layers, finite_gradients
+from core.layer_base import (
+    HALF_OVERFLOW_FIX,
+    check_saved_layers,
+    finite_gradients,
+    half_overflows,
+)
 from core.layers import helper_for
 from core.strategy import FactorReduction, Strategy
 from core.timing import STAGES, StageTimer
@@ -420,35 +425,27 @@ class KFACPreconditioner:
         if self.config.kl_clip is not None:
             scale = kl_clip_scale(total, self._hyper("lr"), self._hyper("kl_clip"))
         self.last_kl_scale = scale
-        half = []
+        written = []
         for layer in self.layers:
             p = preconditioned.get(layer.name)
             if p is not None:
                 layer.helper.set_grad(p, scale if scale != 1.0 else None)
-                if layer.helper.weight.dtype == torch.float16:
-                    half.append(layer)
-        self._restore_half_overflows(half, grads)
+                written.append(layer)
+        self._restore_half_overflows(written, grads)
 
     def _restore_half_overflows(self, layers: list[KFACLayer],
                                 grads: dict[str, Tensor | None]) -> None:
-        """Give back its raw gradient, counted and reported, to each fp16 layer whose written
-        ``P`` left fp16's range (finite in ``inverse_dtype``, it rounds to infinities above
-        65,504). One fp32 summation per layer decides (a sum is finite exactly when its terms
-        are) and one transfer reads them; models without fp16 parameters skip it."""
-        if not layers:
-            return
-        sums = torch.stack([sum(t.sum(dtype=torch.float32) for t in layer.helper.grad_tensors())
-                            for layer in layers])
-        bad = [layer for layer, ok in zip(layers, sums.isfinite().tolist(), strict=True)
-               if not ok]
+        """Give back its raw gradient, counted and reported, to each float16 layer whose
+        written ``P`` left float16's range (:func:`~core.layer_base.half_overflows`)."""
+        bad = half_overflows(layers)
         for layer in bad:
             layer.helper.set_grad(grads[layer.name])  # type: ignore[arg-type]
         if bad:
             self.nonfinite_preconditioned += len(bad)
             warnings.warn(f"preconditioned gradient of {', '.join(x.name for x in bad)} "
                           "exceeds float16's range; left first-order this step "
-                          f"({self.nonfinite_preconditioned} layer-steps so far): raise the "
-                          "damping, or keep the parameters in fp32 (AMP)", stacklevel=4)
+                          f"({self.nonfinite_preconditioned} layer-steps so far): "
+                          f"{HALF_OVERFLOW_FIX}", stacklevel=4)
 
     def _leave_nonfinite_first_order(self, preconditioned: dict[str, Tensor],
                                      products: dict[str, Tensor] | None) -> float:

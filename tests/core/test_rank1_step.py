@@ -202,3 +202,34 @@ def test_outer_is_added_to_the_grad_in_place_or_written_fresh(module: nn.Module,
     for p, grad in zip(module.parameters(), grads_before, strict=True):
         assert p.grad.dtype == F64 and p.grad.is_contiguous()
         assert (p.grad is grad) == (layout != "strided")
+
+
+@pytest.mark.parametrize("method", ["mkor", "eva"])
+def test_a_preconditioned_gradient_beyond_a_float16_weights_range_keeps_the_raw_gradient(
+        method: str) -> None:
+    """``P`` is finite in the fp32 statistics but far above 65,504: written into an fp16
+    weight's ``.grad`` it became infinities that the optimizer applied. Now that layer keeps its
+    raw gradient, with a warning and a count (saved with the state); the other layer, in range,
+    is preconditioned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2, bias=False)).half()
+    if method == "mkor":  # inverses of a state that magnify the first layer's gradient 10¹²x
+        precond = MKORPreconditioner(model, rescale=False, inv_update_steps=100)
+        precond.layers[0].a_inv.mul_(1e6)
+        precond.layers[0].g_inv.mul_(1e6)
+    else:  # a damping of 10⁻⁶ magnifies every gradient about 10⁶x: scale only the first layer's
+        precond = EvaPreconditioner(model, damping=1e-6, kl_clip=None)
+    x = torch.randn(16, 8).half()
+    model(x).float().pow(2).mean().backward()
+    if method == "eva":
+        model[1].weight.grad.mul_(1e-6)  # its P, about 10⁶ times this, stays in range
+    raw = [p.grad.clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="preconditioned gradient of 0 exceeds float16's range"):
+        precond.step()
+    first = [p.grad for p in model[0].parameters()]
+    assert all(torch.equal(g, r) for g, r in zip(first, raw[:2], strict=True))
+    assert torch.isfinite(model[1].weight.grad).all()
+    assert not torch.equal(model[1].weight.grad, raw[2])
+    assert precond.metrics()["nonfinite_preconditioned"] == 1.0
+    state = precond.state_dict()
+    assert state["layers"]["0"]["nonfinite_preconditioned"] == 1
