@@ -23,9 +23,8 @@ the convolutions' factors).
 from __future__ import annotations
 
 import math
-import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,8 +39,10 @@ from core.config import (
     check_hyper,
     check_number,
     check_schedulable,
+    check_skip_layers,
     hyper_at,
     resolve_interval,
+    skipped,
 )
 from core.factors import RunningFactor
 from core.hyper import Schedulable
@@ -129,11 +130,13 @@ class BatchNormBlock:
         name: The module's qualified name.
         module: An affine BatchNorm module.
         mode: One of :data:`BN_FISHER_MODES`.
-        grad_multiplier: What the captured output gradient is multiplied by besides the batch
-            size (the accumulation steps, since the loss is divided by them).
+        grad_multiplier: Returns what the captured output gradient is multiplied by besides
+            the batch size (the accumulation steps, since the loss is divided by them, over the
+            AMP loss scale), read at capture time.
     """
 
-    def __init__(self, name: str, module: _BatchNorm, mode: str, grad_multiplier: float) -> None:
+    def __init__(self, name: str, module: _BatchNorm, mode: str,
+                 grad_multiplier: Callable[[], float]) -> None:
         self.name = name
         self.module = module
         self.mode = mode
@@ -155,7 +158,7 @@ class BatchNormBlock:
         """
         x_hat = normalised(x, self.module.eps)
         self.fisher.accumulate(fisher_blocks(x_hat, gy.float(), self.mode,
-                                             gy.shape[0] * self.grad_multiplier))
+                                             gy.shape[0] * self.grad_multiplier()))
 
     def batch_shape(self) -> tuple[int, ...]:
         """The shape of this layer's Fisher blocks, ``(K, m, m)``."""
@@ -227,7 +230,10 @@ class BatchNormPreconditioner:
         update_steps: Update the blocks (and their inverses) every this many steps (int or
             callable of the step, e.g. a relaxed schedule).
         accumulation_steps: Micro-batches per step; the loss is assumed divided by it.
-        skip_layers: Module-name regexes of BatchNorm layers to leave first-order.
+        skip_layers: Module-name regexes and module classes of BatchNorm layers to leave
+            first-order.
+        grad_scaler: An AMP ``GradScaler`` whose scale is divided out of captured gradients
+            (unscale the gradients, ``scaler.unscale_(optimizer)``, before ``step()``).
 
     Raises:
         ConfigError: on an invalid option, naming it.
@@ -242,9 +248,11 @@ class BatchNormPreconditioner:
         factor_decay: Schedulable[float] = 0.0,
         update_steps: Schedulable[int] = 1,
         accumulation_steps: int = 1,
-        skip_layers: Iterable[str] = (),
+        skip_layers: Sequence[str | type[nn.Module]] = (),
+        grad_scaler: Any = None,
     ) -> None:
         check_choice("mode", mode, BN_FISHER_MODES)
+        check_skip_layers(skip_layers)
         check_hyper("damping", damping)
         check_hyper("factor_decay", factor_decay)
         check_schedulable("update_steps", update_steps, low=1, integer=True)
@@ -253,14 +261,16 @@ class BatchNormPreconditioner:
         self.damping = damping
         self.factor_decay = factor_decay
         self.update_steps = update_steps
+        self.accumulation_steps = accumulation_steps
+        self.grad_scaler = grad_scaler
+        self._loss_scale: float | None = None  # read at the step's first capture
         self.steps = 0
         self.last_preconditioned = 0
-        skip = list(skip_layers)
         self.blocks = [
-            BatchNormBlock(name, module, mode, float(accumulation_steps))
+            BatchNormBlock(name, module, mode, self._grad_multiplier)
             for name, module in model.named_modules()
             if isinstance(module, _BatchNorm) and module.affine and module.weight.requires_grad
-            and not any(re.search(rule, name) for rule in skip)
+            and not skipped(name, module, skip_layers)
         ]
         self._capturing = self._update_due(0)
         self._hooks = [
@@ -270,6 +280,14 @@ class BatchNormPreconditioner:
 
     def _update_due(self, step: int) -> bool:
         return step % resolve_interval("update_steps", self.update_steps, step) == 0
+
+    def _grad_multiplier(self) -> float:
+        """``accumulation_steps / loss_scale``: undo the loss division and the AMP scale (read
+        at the step's first capture: the scaler moves it after the optimizer step)."""
+        if self._loss_scale is None:
+            self._loss_scale = (1.0 if self.grad_scaler is None
+                                else float(self.grad_scaler.get_scale()))
+        return self.accumulation_steps / self._loss_scale
 
     @torch.no_grad()
     def step(self) -> None:
@@ -283,6 +301,7 @@ class BatchNormPreconditioner:
                 if batch is not None:  # a layer no rank ran this step keeps its blocks
                     block.update(batch, decay, damping)
         self.last_preconditioned = sum(block.precondition() for block in self.blocks)
+        self._loss_scale = None
         self.steps += 1
         self._capturing = self._update_due(self.steps)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -162,6 +162,18 @@ def config_from_options(config_type: type[C], config: C | None, options: dict[st
         raise ConfigError("config", config,
                           f"either a {config_type.__name__} or keyword options, not both")
     return config if config is not None else config_type(**options)
+
+
+def skipped(name: str, module: nn.Module, rules: Iterable[str | type[nn.Module]]) -> bool:
+    """Whether a ``skip_layers`` rule matches the module: a regex found in its qualified name,
+    or a class it is an instance of."""
+    for rule in rules:
+        if isinstance(rule, str):
+            if re.search(rule, name):
+                return True
+        elif isinstance(module, rule):
+            return True
+    return False
 
 
 def check_skip_layers(value: Any) -> None:

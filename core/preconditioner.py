@@ -7,7 +7,6 @@ on which rank is the :class:`~core.strategy.Strategy`'s business.
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -22,6 +21,7 @@ from core.config import (
     KFACConfig,
     config_from_options,
     hyper_at,
+    skipped,
     update_due,
 )
 from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_scale, kl_product
@@ -37,22 +37,12 @@ from core.strategy import FactorReduction, Strategy
 from core.timing import STAGES, StageTimer
 
 
-def _skipped(name: str, module: nn.Module, skip: Iterable[str | type[nn.Module]]) -> bool:
-    for rule in skip:
-        if isinstance(rule, str):
-            if re.search(rule, name):
-                return True
-        elif isinstance(module, rule):
-            return True
-    return False
-
-
 def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]]
                     ) -> list[tuple[str, nn.Module]]:
     """Supported, trainable, not-skipped modules in ``model`` (in ``named_modules`` order)."""
     found = []
     for name, module in model.named_modules():
-        if _skipped(name, module, skip):
+        if skipped(name, module, skip):
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, Tensor) or not weight.requires_grad:

@@ -194,6 +194,48 @@ def test_evaluation_passes_are_not_captured_and_bad_options_are_rejected() -> No
     assert len(BatchNormPreconditioner(model, skip_layers=[r"^6$"]).blocks) == 1
 
 
+def test_skip_layers_take_classes_and_refuse_a_bare_string() -> None:
+    """A class skips its instances; a plain string was split into one-character regexes (each
+    matching far more layers than meant), and a class raised a bare TypeError from ``re``."""
+    model = make_model()
+    assert [b.name for b in BatchNormPreconditioner(model, skip_layers=[nn.BatchNorm1d]).blocks
+            ] == ["1"]
+    for bad in ("14", [3]):
+        with pytest.raises(ConfigError, match="skip_layers"):
+            BatchNormPreconditioner(model, skip_layers=bad)  # type: ignore[arg-type]
+
+
+class _ConstantScaler:
+    """The part of an AMP ``GradScaler`` the preconditioners read."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def get_scale(self) -> float:
+        return self.scale
+
+
+def test_the_amp_loss_scale_is_divided_out_of_the_fisher_blocks() -> None:
+    """With the loss multiplied by an AMP scale S and the gradients unscaled before ``step()``
+    (as ``GradScaler`` does), the Fisher blocks were S² too large and the preconditioned
+    gradients S² too small; given the scaler, both equal the unscaled run's."""
+    x, y = batch()
+    results = []
+    for scale in (1.0, 2.0**16):
+        model = make_model()
+        precond = BatchNormPreconditioner(model, mode="full", damping=1e-3,
+                                          grad_scaler=_ConstantScaler(scale))
+        (F.cross_entropy(model(x), y) * scale).backward()
+        for p in model.parameters():
+            p.grad.div_(scale)
+        precond.step()
+        results.append(([b.fisher.value for b in precond.blocks],
+                         [model[i].weight.grad.clone() for i in (1, 6)]))
+    for plain, scaled in zip(*results, strict=True):
+        for a, b in zip(plain, scaled, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("shape", [(6, 3), (4, 3, 5), (3, 3, 4, 5)])
 def test_normalised_input_equals_dense_mean_and_variance(shape: tuple[int, ...]) -> None:
     """``x̂`` from the fused kernel equals ``(x − mean) / sqrt(var + eps)`` over all
