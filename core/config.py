@@ -72,19 +72,20 @@ def check_schedulable(
 
 def _check_range(name: str, value: Any, *, low: float, high: float = math.inf,
                  low_inclusive: bool = True, high_inclusive: bool = True, integer: bool = False,
-                 alternative: str = "") -> None:
-    """Raise :class:`ConfigError` unless ``value`` is a (non-bool) number inside the range; the
+                 infinite: bool = False, alternative: str = "") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a (non-bool) number inside the range,
+    finite unless ``infinite`` (where an infinity means something, such as "never"); the
     message's allowed values end with ``alternative``."""
-    lo = "[" if low_inclusive else "("
-    hi = "]" if high_inclusive else ")"
+    lo = "[" if low_inclusive and (infinite or math.isfinite(low)) else "("
+    hi = "]" if high_inclusive and (infinite or math.isfinite(high)) else ")"
     kind = "an integer" if integer else "a number"
     allowed = f"{kind} in {lo}{low}, {high}{hi}{alternative}"
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(name, value, allowed)
     if integer and not isinstance(value, int):
         raise ConfigError(name, value, allowed)
-    if math.isnan(value):
-        raise ConfigError(name, value, allowed)
+    if math.isnan(value) or (math.isinf(value) and not infinite):
+        raise ConfigError(name, value, allowed)  # inf damping zeroes every update
     above = value > low if not low_inclusive else value >= low
     below = value < high if not high_inclusive else value <= high
     if not (above and below):

@@ -66,7 +66,7 @@ class HybridConfig:
 
     def __post_init__(self) -> None:
         check_number("window", self.window, low=1, integer=True)
-        check_number("threshold", self.threshold, low=-math.inf)
+        check_number("threshold", self.threshold, low=-math.inf, infinite=True)
         check_number("min_steps", self.min_steps, low=0, integer=True)
 
 

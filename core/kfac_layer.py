@@ -163,7 +163,9 @@ class KFACLayer(PreconditionedLayer):
             warnings.warn(f"{self.name}: no factors captured on this rank in a factor-update "
                           "step; zeros stand in for them in the average across ranks, which "
                           "then undercounts this layer's factors (every rank should run every "
-                          "preconditioned layer: skip_layers it otherwise)", stacklevel=2)
+                          "preconditioned layer, in training mode with gradients enabled: "
+                          "model.train(), not under torch.no_grad(); skip_layers it "
+                          "otherwise)", stacklevel=2)
             self.batch_a, self.batch_g = (
                 torch.zeros(dim, dim, dtype=self.factor_dtype, device=self.device)
                 for dim in (self.a_dim, self.g_dim))

@@ -413,10 +413,23 @@ def helper_for(module: nn.Module) -> LayerHelper | None:
     """The helper for ``module``, or None when its type is not supported.
 
     Unsupported configurations of a supported type (e.g. grouped convolutions) warn and
-    return None, so the layer is left first-order rather than preconditioned wrongly.
+    return None, so the layer is left first-order rather than preconditioned wrongly. So does
+    a subclass of a supported type: its forward may differ from its base's (PyTorch's
+    ``MultiheadAttention`` never calls its ``out_proj``), so it is supported only once
+    registered.
     """
     helper_type = _HELPERS.get(type(module))
     if helper_type is None:
+        bases = [t for t in _HELPERS if isinstance(module, t)]
+        weight = getattr(module, "weight", None)
+        if bases and isinstance(weight, Tensor) and weight.requires_grad:
+            kind = type(module).__name__
+            base = bases[0].__name__
+            base = f"nn.{base}" if getattr(nn, base, None) is bases[0] else base
+            warnings.warn(f"{kind} subclasses {base} but is "
+                          "not a supported type, so it stays first-order; if its forward is "
+                          f"its base's, register it: core.layers.register_helper({kind}, "
+                          f"{_HELPERS[bases[0]].__name__})", stacklevel=3)
         return None
     try:
         return helper_type(module)

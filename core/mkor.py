@@ -225,7 +225,7 @@ class MKORConfig(Rank1Config):
         check_schedulable("inv_update_steps", self.inv_update_steps, low=1, integer=True)
         check_hyper("stat_decay", self.stat_decay)
         check_choice("update_rule", self.update_rule, UPDATE_RULES)
-        check_number("epsilon", self.epsilon, low=0.0, low_inclusive=False)
+        check_number("epsilon", self.epsilon, low=0.0, low_inclusive=False, infinite=True)
         check_number("zeta", self.zeta, low=0.0, high=1.0)
         if not isinstance(self.rescale, bool):
             raise ConfigError("rescale", self.rescale, "True or False")

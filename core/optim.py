@@ -106,6 +106,12 @@ class SecondOrderOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base.zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the first-order optimizer. The preconditioner's layers are
+        fixed when it is built: a weight frozen then, and unfrozen later, is updated
+        first-order."""
+        self.base.add_param_group(param_group)
+
     def step(self, loss: float | Tensor | None = None) -> None:
         """Precondition the gradients (feeding ``loss`` to MKOR-H's switch), then update.
 
@@ -177,6 +183,7 @@ def check_preconditioner_options(name: str, options: dict[str, Any]) -> None:
             raise ConfigError(key, options[key],
                               f"no preconditioner options for the first-order {name!r}")
         return
+    options = {k: v for k, v in options.items() if k != "grad_scaler"}  # not a config field
     if name == "mkor-h":
         hybrid, mkor = _split_hybrid(options)
         config_from_options(HybridConfig, None, hybrid)
@@ -202,7 +209,8 @@ def build_optimizer(name: str, model: nn.Module, *, lr: float, weight_decay: flo
             defaults to ``sgd``. For a first-order name it must be None or the name itself.
         **precond_options: Options of the preconditioner's config (``KFACConfig``,
             ``MKORConfig``, ``EvaConfig``); for ``mkor-h`` also ``HybridConfig``'s
-            (``window``, ``threshold``, ``min_steps``).
+            (``window``, ``threshold``, ``min_steps``); and ``grad_scaler``, an AMP
+            ``GradScaler`` whose scale the preconditioner divides out of its statistics.
 
     Raises:
         ConfigError: for an unknown name (the message lists the valid ones), a bad base or an

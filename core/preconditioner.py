@@ -7,6 +7,7 @@ on which rank is the :class:`~core.strategy.Strategy`'s business.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -37,18 +38,31 @@ from core.strategy import FactorReduction, Strategy
 from core.timing import STAGES, StageTimer
 
 
-def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]]
-                    ) -> list[tuple[str, nn.Module]]:
-    """Supported, trainable, not-skipped modules in ``model`` (in ``named_modules`` order)."""
+def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]], *,
+                    quiet: Iterable[str] = ()) -> list[tuple[str, nn.Module]]:
+    """Supported, trainable, not-skipped modules in ``model`` (in ``named_modules`` order).
+
+    A name regex in ``skip`` that matches no module's name is reported (KAISA also matched
+    class names: a rule such as ``"Linear"`` skips nothing here; give the class instead),
+    except those in ``quiet`` (a method's default rules, for models they do not concern).
+    """
     found = []
+    rules = list(skip)
+    unmatched = {rule for rule in rules if isinstance(rule, str)} - set(quiet)
     for name, module in model.named_modules():
-        if skipped(name, module, skip):
+        unmatched -= {rule for rule in unmatched if re.search(rule, name)}
+        if skipped(name, module, rules):
             continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, Tensor) or not weight.requires_grad:
             continue
         if helper_for(module) is not None:
             found.append((name, module))
+    if unmatched:
+        warnings.warn(f"skip_layers rules {sorted(unmatched)} match no module name (they are "
+                      "regexes searched in qualified names such as 'encoder.layer.0.output."
+                      "dense'); to skip layers by type give the class, e.g. nn.Linear",
+                      stacklevel=3)
     return found
 
 
@@ -159,6 +173,7 @@ class KFACPreconditioner:
         self._folded: dict[str, int] = {}
         self._staged: set[str] = set()
         self._handed_over: set[str] = set()
+        self._reported_uncaptured: set[str] = set()
         self._handover_order = self.layers[::-1]
         self._hooks = [self._register(layer) for layer in self.layers]
 
@@ -308,10 +323,14 @@ class KFACPreconditioner:
                 if finish_factors is None:
                     self._update_running_factors(decay)
             else:  # one layer at a time, so one batch factor is alive at once
+                uncaptured = []
                 for layer in self.layers:
                     layer.stage_batch_factors(timer)
+                    if layer.batch_a is None and grads[layer.name] is not None:
+                        uncaptured.append(layer.name)
                     with timer.stage("factors"):
                         layer.update_running_factors(decay)
+                self._report_uncaptured(uncaptured)
 
         damping = self._hyper("damping")
         if inverting:
@@ -359,6 +378,21 @@ class KFACPreconditioner:
                 finish_factors()
             self._update_running_factors(decay)
         self._end_step()
+
+    def _report_uncaptured(self, names: list[str]) -> None:
+        """Warn, once per layer, about layers that have a gradient but captured nothing on a
+        factor-update step, so their factors stay as they were (never built, if they never
+        capture)."""
+        new = [name for name in names if name not in self._reported_uncaptured]
+        if not new:
+            return
+        self._reported_uncaptured.update(new)
+        shown = ", ".join(new[:5]) + (f" and {len(new) - 5} more" if len(new) > 5 else "")
+        warnings.warn(f"{shown}: a gradient but nothing captured on a factor-update step (step "
+                      f"{self.steps}), so their factors were not updated: capture runs only in "
+                      "training mode with gradients enabled (model.train(), not under "
+                      "torch.no_grad()) and when the module itself is called; a layer stays "
+                      "first-order until it has factors", stacklevel=3)
 
     def skip_step(self) -> None:
         """Account for a step whose optimizer update was skipped without :meth:`step` running

@@ -150,7 +150,9 @@ class Rank1Layer(PreconditionedLayer):
         a, g = self.a.take_batch(), self.g.take_batch()
         if a is None or g is None:
             warnings.warn(f"{self.name}: no statistics were captured on an update step (was the "
-                          "module called in the forward pass?); sending zeros", stacklevel=3)
+                          "module called in the forward pass, in training mode with gradients "
+                          "enabled: model.train(), not under torch.no_grad()?); sending zeros",
+                          stacklevel=3)
             return torch.zeros(self.a_dim + self.g_dim, dtype=self.dtype, device=self.device)
         return torch.cat([a, g])
 
@@ -215,7 +217,8 @@ class Rank1Preconditioner:
         threshold = self.config.vocab_size_threshold
         self.layers = [
             self._make_layer(name, helper)
-            for name, module in discover_layers(model, self.config.skip_layers)
+            for name, module in discover_layers(model, self.config.skip_layers,
+                                                quiet=(BERT_DECODER_PATTERN,))
             if (helper := helper_for(module)) is not None
             and not (threshold is not None and isinstance(module, nn.Linear)
                      and module.out_features >= threshold)

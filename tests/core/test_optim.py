@@ -145,3 +145,17 @@ def test_mkor_h_needs_the_loss() -> None:
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(ValueError, match="needs the step's loss"):
         opt.step()
+
+
+def test_the_wrapper_adds_parameter_groups_and_the_check_accepts_a_grad_scaler() -> None:
+    """``add_param_group`` was missing from the wrapper (unfreezing a backbone needs it), and
+    the options check refused ``grad_scaler``, which build_optimizer takes."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    opt = build_optimizer("kfac", model, lr=0.1)
+    model[0].requires_grad_(True)
+    opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.01})
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    check_preconditioner_options("kfac", {"damping": 0.01, "grad_scaler": scaler})
+    build_optimizer("kfac", model, lr=0.1, grad_scaler=scaler)

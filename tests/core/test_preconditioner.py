@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import pytest
@@ -145,6 +146,9 @@ def test_intervals_and_damping_accept_callables() -> None:
     (MKORPreconditioner, "stat_decay", 0.0),
     (BatchNormPreconditioner, "damping", 0.0),
     (BatchNormPreconditioner, "factor_decay", 1.5),
+    (KFACPreconditioner, "damping", math.inf),  # zeroed every preconditioned gradient
+    (KFACPreconditioner, "lr", math.inf),
+    (EvaPreconditioner, "kl_clip", math.inf),
 ])
 def test_a_schedule_is_held_to_the_range_of_a_constant(make: type, field: str,
                                                        bad: float) -> None:
@@ -528,3 +532,35 @@ def test_an_fp16_layers_preconditioned_gradient_beyond_fp16s_range_keeps_the_raw
     for p, r in zip(model.parameters(), raw, strict=True):
         assert torch.equal(p.grad, r)
     assert precond.nonfinite_preconditioned == 1
+
+
+def test_training_in_eval_mode_warns_once_that_nothing_was_captured() -> None:
+    """In ``eval()`` mode nothing is captured, so K-FAC stayed first-order for ever without a
+    word (MKOR and Eva warned). Now one warning names the layers and the cause."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    precond = KFACPreconditioner(model)
+    model.eval()
+    with pytest.warns(UserWarning, match=r"^0, 2: a gradient but nothing captured .*"
+                                         r"model\.train\(\)") as record:
+        for _ in range(3):
+            model.zero_grad()
+            model(torch.randn(16, 4)).square().mean().backward()
+            precond.step()
+    assert len([w for w in record if "nothing captured" in str(w.message)]) == 1
+    assert not any(layer.has_factors for layer in precond.layers)
+
+
+class _OwnLinear(nn.Linear):
+    """A subclass whose forward might differ from nn.Linear's."""
+
+
+def test_unsupported_subclasses_and_skip_rules_that_match_nothing_are_reported() -> None:
+    """A subclass of nn.Linear stayed first-order silently (the docs promised a warning), and
+    a KAISA-style class-name rule such as "Linear" skipped nothing, silently."""
+    model = nn.Sequential(_OwnLinear(4, 4), nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match=r"_OwnLinear subclasses nn\.Linear .*"
+                                         r"register_helper\(_OwnLinear, LinearHelper\)"):
+        precond = KFACPreconditioner(model)
+    assert [layer.name for layer in precond.layers] == ["1"]
+    with pytest.warns(UserWarning, match=r"skip_layers rules \['Linear'\] match no module name"):
+        KFACPreconditioner(nn.Sequential(nn.Linear(4, 2)), skip_layers=["Linear"])
