@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from data.errors import DataUnavailableError
+from data.errors import CorruptDataError, DataUnavailableError
 from data.paths import add_data_dir_argument, data_root
 
 PACKAGES = {
@@ -102,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; None reads ``sys.argv``.
 
     Returns:
-        0 when every requested cache is ready, 1 when a data source is unavailable.
+        0 when every requested cache is ready, 1 when a data source is unavailable or
+        damaged (one line naming it and the fix).
     """
     parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__)
     add_data_dir_argument(parser)
@@ -116,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for name in chosen:
             builders[name](args.data_dir)
-    except DataUnavailableError as exc:
+    except (DataUnavailableError, CorruptDataError) as exc:
         print(f"data.prepare: {exc}", file=sys.stderr)
         return 1
     print(f"data.prepare: ready in {data_root(args.data_dir)}")

@@ -1,7 +1,7 @@
 """A real English corpus and WordPiece vocabulary for BERT pretraining, built offline.
 
 No Wikipedia or BookCorpus text can be installed on the project's machines, so the stand-in is
-about 15 MB of real English from two Debian packages: the reST sources of the Python 3.11 manual
+about 13 MB of real English from two Debian packages: the reST sources of the Python 3.11 manual
 (``python3.11-doc``, technical prose) and the King James Bible (``bible-kjv``, narrative prose).
 They are flattened into one UTF-8 file, one paragraph or verse per line, which ``datasets``'
 ``text`` loader and ``tokenizers`` both read directly. Everything is cached under

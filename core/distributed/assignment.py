@@ -9,8 +9,10 @@ identical everywhere by construction. Three policies:
   factors are not colocated). Ties go to the lowest index, and equal costs keep model order.
 * ``round-robin`` (DP-KFAC / MPD-KFAC code): layer ``i`` to group ``i mod G``, then to the
   group's members in turn.
-* ``contiguous`` (Osawa et al.'s code, ``np.array_split``): model order cut into equal-count
-  chunks, one per group and then per member.
+* ``contiguous`` (after Osawa et al.'s code, ``np.array_split``): model order cut into
+  equal-count chunks, one per group and then per member. chainerkfac cuts its Fisher blocks
+  sorted by link name, BatchNorm blocks included, so at fewer workers than layers its chunks
+  hold other layers than these.
 
 The cost of a factor of dimension ``n`` is ``n³`` (``"inversion"``), ``n²`` (``"memory"``) or any
 callable of ``n``.

@@ -106,8 +106,9 @@ class OsawaConfig:
             products on bf16 hardware; None: fp32, the paper's), see ``core.KFACConfig``.
         precondition_dtype_tolerance: with ``precondition_dtype``, the product error above
             which a factor stays fp32 (None: every factor rounded), see ``core.KFACConfig``.
-        assignment: Layer-to-rank policy: ``contiguous`` (chainerkfac's ``np.array_split`` of
-            the layers in model order), ``greedy`` (cost-balanced) or ``round-robin``.
+        assignment: Layer-to-rank policy: ``contiguous`` (``np.array_split`` of the layers in
+            model order; chainerkfac splits its blocks sorted by name, BatchNorm included),
+            ``greedy`` (cost-balanced) or ``round-robin``.
         mixup_alpha: Beta parameter of running mixup, at least 0.01; 0 disables mixup.
         running_mixup: Mix with the previous *mixed* batch (else with the previous raw batch).
         erasing_rate: Probability of random erasing per example; 0 disables it.

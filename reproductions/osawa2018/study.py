@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reproductions.common.checkpoint import require_same_config
+from reproductions.common.cli import exit_on_user_error
 from reproductions.common.results import ResultsError, load_results
 from reproductions.osawa2018.config import CONFIG_DIR, load_config
 from reproductions.osawa2018.tables import large_batch_table
@@ -77,18 +79,36 @@ def plan(study: dict[str, Any], *, quick: bool, batch_sizes: list[int] | None = 
     return name, runs
 
 
-def finished(out: Path) -> bool:
-    """Whether ``out`` holds the results of a completed run."""
+def finished(run: StudyRun, out: Path) -> bool:
+    """Whether ``out`` holds the results of ``run`` completed with the study's settings.
+
+    Raises:
+        CheckpointError: ``out`` holds a completed run of other settings (the study config was
+            edited since): it would be reused under the new settings' name otherwise. Settings
+            the saved run does not record (added to the configuration since) are not compared.
+    """
     try:
-        return load_results(out / "results.json")["finished"] is not None
+        results = load_results(out / "results.json")
     except ResultsError:
         return False
+    if results["finished"] is None:
+        return False
+    saved, now = results["config"], load_config(run.base, run.overrides).to_dict()
+    require_same_config(saved, now, out, together=False, ignore=tuple(set(now) - set(saved)),
+                        fix=f"delete {out} to run it again with the study's settings, or "
+                            "restore the study config")
+    return True
 
 
 def execute(runs: list[StudyRun], out_root: Path, *, jobs: int, wandb: str,
             data_dir: str | None) -> list[str]:
-    """Run what is not finished yet, ``jobs`` at a time; returns the names that failed."""
-    pending = [run for run in runs if not finished(out_root / run.name)]
+    """Run what is not finished yet, ``jobs`` at a time; returns the names that failed.
+
+    Raises:
+        CheckpointError: a finished run's settings differ from the study's (see
+            :func:`finished`); checked for every run before any starts.
+    """
+    pending = [run for run in runs if not finished(run, out_root / run.name)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     active: list[tuple[StudyRun, subprocess.Popen[bytes], float]] = []
     failed = []
@@ -144,14 +164,16 @@ def main(argv: list[str] | None = None) -> None:
                         choices=("auto", "online", "offline", "disabled"))
     parser.add_argument("--data-dir", default=None, help="cache directory of the built-in data")
     args = parser.parse_args(argv)
-    study = json.loads(args.study.read_text())
-    name, runs = plan(study, quick=args.quick, batch_sizes=args.batch_sizes,
-                      optimizers=args.optimizers)
-    out_root = args.out / name
-    failed = execute(runs, out_root, jobs=args.jobs, wandb=args.wandb, data_dir=args.data_dir)
-    results_dir = args.results_dir or RESULTS_ROOT / name
-    collect(runs, out_root, results_dir)
-    print(large_batch_table(results_dir).markdown())
+    with exit_on_user_error(parser):
+        study = json.loads(args.study.read_text())
+        name, runs = plan(study, quick=args.quick, batch_sizes=args.batch_sizes,
+                          optimizers=args.optimizers)
+        out_root = args.out / name
+        failed = execute(runs, out_root, jobs=args.jobs, wandb=args.wandb,
+                         data_dir=args.data_dir)
+        results_dir = args.results_dir or RESULTS_ROOT / name
+        collect(runs, out_root, results_dir)
+        print(large_batch_table(results_dir).markdown())
     if failed:
         raise SystemExit(f"failed runs: {', '.join(failed)} (see their train.log)")
 

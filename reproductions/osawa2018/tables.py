@@ -144,13 +144,15 @@ def large_batch_table(results_dir: Path) -> Table:
         raise FileNotFoundError(f"{results_dir}: no results files; run "
                                 "`python -m reproductions.osawa2018.study` first")
     by_batch: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
-    targets, epochs, unfinished = set(), set(), []
+    targets, epochs, widths, evals, unfinished = set(), set(), set(), set(), []
     for path in files:
         data = load_results(path)
         summary = data["summary"]
         by_batch[summary["batch_size"]][data["optimizer"]] = summary
         targets.add(summary["target_accuracy"])
         epochs.add(data["config"]["epochs"])
+        widths.add(data["config"]["width"])
+        evals.add(data["config"]["eval_every_epochs"])
         if data["finished"] is None:
             unfinished.append(path.name)
     rows: list[list[Any]] = []
@@ -169,6 +171,12 @@ def large_batch_table(results_dir: Path) -> Table:
         rows.append(row)
     target = ", ".join(f"{100 * t:g}%" for t in sorted(targets))
     budget = ", ".join(f"{e:g}" for e in sorted(epochs))
+    width = "/".join(f"{w:g}" for w in sorted(widths))
+    try:  # named as the reproduction's folder holds it, else as given
+        folder = Path(results_dir).resolve().relative_to(Path(__file__).resolve().parent)
+    except ValueError:
+        folder = Path(results_dir)
+    every = " or ".join(f"{e:g}" for e in sorted(evals))
     unfinished_note = (f" Unfinished runs (numbers so far): {', '.join(unfinished)}."
                        if unfinished else "")
     return Table(
@@ -179,10 +187,10 @@ def large_batch_table(results_dir: Path) -> Table:
          "ours: K-FAC final (%)", "ours: SGD epochs to target", "ours: SGD iterations to target",
          "ours: SGD final (%)"],
         rows,
-        f"Ours: a width-8 ResNet on Fashion-MNIST on one CPU thread per run, the paper's recipe "
-        f"with K-FAC against the same recipe without preconditioning (momentum SGD), from the "
-        f"results files in `results/{Path(results_dir).name}/` (`study.py`); test accuracy "
-        f"every half epoch. Not the paper's experiment: same protocol, different data, model "
+        f"Ours: a width-{width} ResNet on Fashion-MNIST on one CPU thread per run, the paper's "
+        f"recipe with K-FAC against the same recipe without preconditioning (momentum SGD), "
+        f"from the results files in `{folder.as_posix()}/` (`study.py`); test accuracy "
+        f"every {every} epoch. Not the paper's experiment: same protocol, different data, model "
         f"and scale. The paper: 75% top-1 in 35 epochs for B ≤ 16,384, 75% at B = 131,072 in "
         f"978 iterations (abstract); the column holds the authors' repository's ResNet-50-D "
         f"numbers where the batch size matches.{unfinished_note}")

@@ -86,10 +86,15 @@ def load_data(config: OsawaConfig, data_dir: str | None, folder: str | None) -> 
     position; Fashion-MNIST has no random transforms.
 
     Raises:
-        ConfigError: ``image-folder`` data without a folder.
+        ConfigError: ``image-folder`` data without a folder, or a folder with other data (it
+            would be ignored: the run would train on Fashion-MNIST).
         DataUnavailableError: the data is not there (the message says how to get it).
     """
     if config.data == "fashion-mnist":
+        if folder is not None:
+            raise ConfigError("--image-folder", folder,
+                              "only with data 'image-folder' (e.g. --config imagenet_bs4k, or "
+                              "--set data=image-folder); this config trains on Fashion-MNIST")
         return TrainingData(StreamExamples(fashion_mnist(True, data_dir)),
                             fashion_mnist(False, data_dir), 10, 1)
     if folder is None:

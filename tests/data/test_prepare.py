@@ -46,3 +46,19 @@ def test_missing_packages_reports_unknown() -> None:
     if prepare.shutil.which("dpkg-query") is None:
         pytest.skip("dpkg-query is not available")
     assert prepare.missing_packages(["dpkg", "kfac-no-such-package"]) == ["kfac-no-such-package"]
+
+
+def test_damaged_data_exits_1_in_one_line(
+    tiny_fashion_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A truncated source file printed a traceback (only DataUnavailableError was caught)."""
+    monkeypatch.setattr(prepare, "missing_packages", lambda packages: [])
+    damaged = tiny_fashion_dir / "train-images-idx3-ubyte.gz"
+    damaged.write_bytes(damaged.read_bytes()[:20])
+    assert prepare.main(["--only", "fashion-mnist", "--data-dir", str(tmp_path / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("data.prepare: ")
+    assert "train-images-idx3-ubyte.gz" in err

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from reproductions.common.checkpoint import CheckpointError
 from reproductions.common.cost import KernelRates
 from reproductions.common.shapes import LayerShape
 from reproductions.common.tables import load_tables
 from reproductions.common.timemodel import AlphaBeta
 from reproductions.osawa2018 import tables
-from reproductions.osawa2018.study import StudyRun, plan
+from reproductions.osawa2018.study import StudyRun, finished, plan
 
 #: ResNet-50's K-FAC factors as packed upper triangles, and its trainable parameters
 #: (KFAC_MATH.md "Facts to check against"; BatchNorm adds 53,120 parameters).
@@ -97,6 +99,25 @@ def test_study_plan_builds_valid_runs() -> None:
     command = StudyRun("x", "fmnist_default", {"lr": 0.1, "name": "n"}).command(
         Path("out"), "disabled", None)
     assert command[-3:] == ["--set", "lr=0.1", 'name="n"']
+
+
+def test_a_finished_run_is_reused_only_with_the_studys_settings(tmp_path: Path) -> None:
+    """A finished run was reused whatever its settings, so after the study config was edited
+    table O2 showed results under settings the config no longer had. The committed results
+    match today's study; one with another learning rate is refused, naming the setting."""
+    study = json.loads((tables.CONFIG_DIR / "fmnist_study.json").read_text())
+    _, runs = plan(study, quick=False)
+    run = next(r for r in runs if r.name == "kfac_bs256")
+    out = tmp_path / run.name
+    out.mkdir()
+    shutil.copyfile(tables.DEFAULT_RESULTS / "kfac_bs256.json", out / "results.json")
+    assert finished(run, out)
+    study["runs"]["kfac"]["256"] = {**study["runs"]["kfac"]["256"], "lr": 5.0}
+    _, edited = plan(study, quick=False)
+    changed = next(r for r in edited if r.name == "kfac_bs256")
+    with pytest.raises(CheckpointError, match=r"other settings \(lr: .* saved, 5\.0 now\).*"
+                                              r"delete .*kfac_bs256 to run it again"):
+        finished(changed, out)
 
 
 #: Rates for O5 tests (of the order measured on one CPU thread), so no test measures anything.

@@ -119,6 +119,10 @@ def test_two_steps_on_a_generated_image_folder(tmp_path: Path) -> None:
     assert results["evals"][-1]["step"] == 2
     with pytest.raises(ValueError, match="image-folder"):
         run(config, out=tmp_path / "x", wandb="disabled", progress=False)
+    # A folder given to a Fashion-MNIST config was ignored: the run trained on Fashion-MNIST.
+    with pytest.raises(ConfigError, match=r"--image-folder=.*only with data 'image-folder'"):
+        run(load_config("fmnist_default"), out=tmp_path / "y", folder=str(folder),
+            wandb="disabled", progress=False)
 
 
 def test_stream_sampler_splits_global_batches_across_ranks_and_epochs() -> None:
