@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -44,6 +43,7 @@ from core.config import (
     resolve_interval,
     skipped,
 )
+from core.distributed.communicator import Communicator
 from core.factors import RunningFactor
 from core.hyper import Schedulable
 from core.inverse import DecompositionError, _with_fp64_retry
@@ -234,6 +234,10 @@ class BatchNormPreconditioner:
             first-order.
         grad_scaler: An AMP ``GradScaler`` whose scale is divided out of captured gradients
             (unscale the gradients, ``scaler.unscale_(optimizer)``, before ``step()``).
+        communicator: Averages the blocks across ranks and records it in its ledger (stage
+            ``bn_factor_comm``); pass K-FAC's (``kfac.strategy.communicator``) to count both in
+            one ledger. By default one over the initialised process group (collective: every
+            rank builds the preconditioner), or none in one process.
 
     Raises:
         ConfigError: on an invalid option, naming it.
@@ -250,6 +254,7 @@ class BatchNormPreconditioner:
         accumulation_steps: int = 1,
         skip_layers: Sequence[str | type[nn.Module]] = (),
         grad_scaler: Any = None,
+        communicator: Communicator | None = None,
     ) -> None:
         check_choice("mode", mode, BN_FISHER_MODES)
         check_skip_layers(skip_layers)
@@ -272,6 +277,7 @@ class BatchNormPreconditioner:
             if isinstance(module, _BatchNorm) and module.affine and module.weight.requires_grad
             and not skipped(name, module, skip_layers)
         ]
+        self.communicator = communicator or Communicator.from_torch()
         self._capturing = self._update_due(0)
         self._hooks = [
             CaptureHooks(block.module, on_pair=block.capture, enabled=lambda: self._capturing)
@@ -310,8 +316,7 @@ class BatchNormPreconditioner:
         of all of them and of who captured what); None for a layer no rank captured (one in
         ``eval()`` mode, or on a branch not taken). In one process, the batches as they are.
         """
-        if (not self.blocks or not dist.is_available() or not dist.is_initialized()
-                or dist.get_world_size() == 1):
+        if not self.blocks or self.communicator.world_size == 1:
             return batches
         shapes = [block.batch_shape() for block in self.blocks]
         device = self.blocks[0].module.weight.device
@@ -319,7 +324,7 @@ class BatchNormPreconditioner:
                           else b.flatten() for b, shape in zip(batches, shapes, strict=True)]
                          + [torch.tensor([float(b is not None) for b in batches],
                                          device=device)])
-        dist.all_reduce(flat)
+        self.communicator.all_reduce(flat, stage="bn_factor_comm")
         counts = flat[-len(batches):].tolist()
         out: list[Tensor | None] = []
         offset = 0

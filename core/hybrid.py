@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from core.config import check_number, config_from_options
+from core.distributed.communicator import Communicator
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +107,17 @@ def loss_decrease_rate(losses: list[float], window: int) -> float:
     return (before - now) / (window * abs(before))
 
 
-def mean_over_ranks(value: float) -> float:
-    """``value`` averaged over the default process group's ranks (itself outside one); a
-    non-finite value on any rank makes the mean non-finite."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+def mean_over_ranks(value: float, communicator: Communicator) -> float:
+    """``value`` averaged over the communicator's ranks (itself in one process), recorded in
+    its ledger (stage ``hybrid_loss``); a non-finite value on any rank makes the mean
+    non-finite."""
+    if communicator.world_size == 1:
         return value
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     total = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return float(total) / dist.get_world_size()
+    communicator.all_reduce(total, stage="hybrid_loss")
+    return float(total) / communicator.world_size
 
 
 class HybridSwitch:
@@ -147,6 +149,12 @@ class HybridSwitch:
         self.losses: deque[float] = deque(maxlen=2 * self.config.window)
         self.event: SwitchEvent | None = None
         self.last_rate: float | None = None
+        # The wrapped preconditioner's communicator (MKOR's, or K-FAC's strategy's), so the
+        # loss average is in its ledger; else one over the process group (collective).
+        self.communicator: Communicator = (
+            getattr(preconditioner, "communicator", None)
+            or getattr(getattr(preconditioner, "strategy", None), "communicator", None)
+            or Communicator.from_torch())
 
     @property
     def switched(self) -> bool:
@@ -157,7 +165,7 @@ class HybridSwitch:
         """Record this step's training loss (this rank's: it is averaged over the ranks) and
         apply the rule."""
         self.steps += 1
-        loss = mean_over_ranks(float(loss))
+        loss = mean_over_ranks(float(loss), self.communicator)
         if not math.isfinite(loss):
             return
         self.losses.append(loss)

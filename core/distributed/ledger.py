@@ -7,7 +7,8 @@ not by a separate formula.
 Each entry records the *payload* of one collective as this rank sees it (``elements`` and
 ``bytes`` on the wire, after packing and dtype conversion) and its ``traffic_bytes``: this
 rank's share of the bytes on the wire under the bandwidth-optimal algorithm for the operation,
-which is what per-worker volume tables report:
+which is what per-worker volume tables report (a ring moves whole elements, so the
+all-reduce's share is rounded down to whole elements before it is counted in bytes):
 
 ==================  ==========================================================================
 op                  ``traffic_bytes`` (``n`` = payload bytes, ``p`` = group size)

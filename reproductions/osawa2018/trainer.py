@@ -100,7 +100,8 @@ class OsawaTrainer:
                     self.net, mode=config.bn_fisher,
                     damping=config.bn_damping_scale * config.effective_damping,
                     factor_decay=config.factor_decay, update_steps=self.intervals,
-                    accumulation_steps=self.accumulation_steps)
+                    accumulation_steps=self.accumulation_steps,
+                    communicator=getattr(self.kfac.strategy, "communicator", None))
         self.mixup = (RunningMixup(config.mixup_alpha, num_classes, config.running_mixup)
                       if config.mixup_alpha > 0 else None)
         self.erasing = (RandomErasing(config.erasing_rate, tuple(config.erasing_area),

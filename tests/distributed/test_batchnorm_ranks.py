@@ -23,9 +23,10 @@ def data(rank: int) -> tuple[Tensor, Tensor]:
     return torch.randn(8, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator)
 
 
-def fisher_after_one_step(rank: int, idle_last: bool) -> list[Tensor | None]:
+def fisher_after_one_step(rank: int, idle_last: bool
+                          ) -> tuple[list[Tensor | None], list[tuple[str, int, int]]]:
     """Each BatchNorm's Fisher blocks after one step on ``rank``'s data (the last BatchNorm in
-    ``eval()`` when ``idle_last``)."""
+    ``eval()`` when ``idle_last``), and the ledger's (stage, elements, traffic bytes)."""
     net = model()
     if idle_last:
         net[4].eval()
@@ -33,22 +34,28 @@ def fisher_after_one_step(rank: int, idle_last: bool) -> list[Tensor | None]:
     x, y = data(rank)
     F.cross_entropy(net(x), y).backward()
     precond.step()
-    return [block.fisher.value for block in precond.blocks]
+    ledger = [(e.stage, e.elements, e.traffic_bytes) for e in precond.communicator.ledger.entries]
+    return [block.fisher.value for block in precond.blocks], ledger
 
 
-def worker(rank: int, world_size: int) -> list[Tensor | None]:
+def worker(rank: int, world_size: int
+           ) -> tuple[list[Tensor | None], list[tuple[str, int, int]]]:
     torch.set_num_threads(1)
     return fisher_after_one_step(rank, idle_last=rank == 1)
 
 
-def test_each_layer_averages_the_ranks_that_ran_it() -> None:
-    alone = [fisher_after_one_step(rank, idle_last=rank == 1) for rank in (0, 1)]
+def test_each_layer_averages_the_ranks_that_ran_it_in_one_recorded_all_reduce() -> None:
+    alone = [fisher_after_one_step(rank, idle_last=rank == 1)[0] for rank in (0, 1)]
     assert alone[1][1] is None  # in one process the idle layer keeps no blocks
     results = run_workers(worker, 2)
-    assert all(r[0] is not None and r[1] is not None for r in results)
-    for got in results:
+    assert all(r[0] is not None and r[1] is not None for r, _ in results)
+    for got, ledger in results:
         torch.testing.assert_close(got[0], (alone[0][0] + alone[1][0]) / 2)
         torch.testing.assert_close(got[1], alone[0][1])  # only rank 0 ran it
+        # Diagonal blocks (2C, 1, 1) of C = 6 and 3 channels, and one "captured" flag per
+        # layer; an all-reduce over p = 2 receives 2(p − 1)/p of the fp32 payload.
+        elements = 2 * 6 + 2 * 3 + 2
+        assert ledger == [("bn_factor_comm", elements, 4 * elements)]
 
 
 def no_batchnorm_step(rank: int, world_size: int) -> int:

@@ -17,23 +17,26 @@ LOSSES = {0: [1.0, 1.0, 1.0, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6],
 RULE = {"window": 2, "threshold": 0.0, "min_steps": 0}
 
 
-def switch_step(losses: list[float]) -> dict[str, Any] | None:
-    """The event of one process observing ``losses``."""
+def switch_step(losses: list[float]) -> tuple[dict[str, Any] | None, list[tuple[str, int]]]:
+    """The event of one process observing ``losses``, and its ledger (stage, traffic bytes)."""
     switch = HybridSwitch(CountingPreconditioner(), **RULE)
     for loss in losses:
         switch.observe(loss)
-    return None if switch.event is None else asdict(switch.event)
+    ledger = [(e.stage, e.traffic_bytes) for e in switch.communicator.ledger.entries]
+    return None if switch.event is None else asdict(switch.event), ledger
 
 
-def observe_own_losses(rank: int, world_size: int) -> dict[str, Any] | None:
+def observe_own_losses(rank: int, world_size: int
+                       ) -> tuple[dict[str, Any] | None, list[tuple[str, int]]]:
     return switch_step(LOSSES[rank])
 
 
 def test_every_rank_switches_on_the_step_the_mean_loss_says() -> None:
     mean = [(a + b) / 2 for a, b in zip(LOSSES[0], LOSSES[1], strict=True)]
-    expected = switch_step(mean)
-    alone = [switch_step(LOSSES[rank]) for rank in (0, 1)]
-    assert expected is not None
+    expected, none_sent = switch_step(mean)
+    alone = [switch_step(LOSSES[rank])[0] for rank in (0, 1)]
+    assert expected is not None and none_sent == []
     assert [event and event["step"] for event in alone] != [expected["step"]] * 2  # would differ
-    events = run_workers(observe_own_losses, 2)
-    assert events == [expected, expected]
+    results = run_workers(observe_own_losses, 2)
+    # One fp64 all-reduce per observed loss, in the ledger: 2(p − 1)/p · 8 bytes at p = 2.
+    assert results == [(expected, [("hybrid_loss", 8)] * len(LOSSES[0]))] * 2
