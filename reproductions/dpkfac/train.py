@@ -36,6 +36,7 @@ from tqdm import tqdm
 from core import KFACPreconditioner
 from core.config import ConfigError, check_number
 from core.distributed import Communicator, average_gradients
+from core.preconditioner import discover_layers
 from core.timing import StageTimer
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
@@ -234,7 +235,8 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                                 weight_decay=config.weight_decay)
     precond = None if scheme is None else KFACPreconditioner(
-        model, strategy=scheme.strategy, **scheme.options, factor_scaling="dpkfac",
+        model, strategy=scheme.strategy, factor_scaling="dpkfac",
+        **scheme.options_for(len(discover_layers(model, ())), ctx.world_size),
         inverse_method="eigen", damping=config.damping, factor_decay=config.factor_decay,
         kl_clip=config.kl_clip, lr=schedule, factor_update_steps=config.factor_update_steps,
         inv_update_steps=config.inv_update_steps)

@@ -34,6 +34,7 @@ from torch import nn
 from core import KFACPreconditioner
 from core.distributed import Communicator, LedgerEntry, average_gradients
 from core.kfac_layer import KFACLayer
+from core.preconditioner import discover_layers
 from core.strategy import FactorReduction, Strategy, nothing_to_wait
 from reproductions.common.launch import run_local
 from reproductions.common.timemodel import LEDGER_STAGES, AlphaBeta, fit_alpha_beta
@@ -121,7 +122,8 @@ def _kfac_steps(scheme: Scheme, steps: int) -> dict[str, Any]:
     its ledger."""
     rank = dist.get_rank()
     model = validation_model()
-    precond = KFACPreconditioner(model, strategy=scheme.strategy, **scheme.options,
+    options = scheme.options_for(len(discover_layers(model, ())), dist.get_world_size())
+    precond = KFACPreconditioner(model, strategy=scheme.strategy, **options,
                                  factor_scaling="dpkfac", damping=0.03, kl_clip=1e-3, lr=0.1)
     communicator = precond.strategy.communicator
     generator = torch.Generator().manual_seed(rank)

@@ -53,12 +53,23 @@ class Scheme:
         strategy: ``core`` strategy name.
         options: Further :class:`~core.config.KFACConfig` fields.
         note: What it is and whose code it follows.
+        split_when_more_workers: Place a layer's ``A`` and ``G`` on different workers only when
+            there are more workers than layers, as the ``eigen`` preconditioner of
+            lzhangbv/kfac_pytorch does by default (``distribute_layer_factors=None``); else
+            together. :meth:`options_for` fills ``colocate_factors`` from it.
     """
 
     label: str
     strategy: str
     options: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    split_when_more_workers: bool = False
+
+    def options_for(self, layers: int, world_size: int) -> dict[str, Any]:
+        """:attr:`options` for a model of ``layers`` K-FAC layers on ``world_size`` workers."""
+        if not self.split_when_more_workers:
+            return dict(self.options)
+        return {**self.options, "colocate_factors": world_size <= layers}
 
 
 HYBRID_FRACTION = 0.25
@@ -70,10 +81,11 @@ SCHEMES: tuple[Scheme, ...] = (
     Scheme("MPD-KFAC", "mpd-kfac", {"assignment": "round-robin"},
            "lzhangbv/kfac_pytorch `inverse`: layer l inverted on rank l mod P, which broadcasts "
            "its preconditioned gradient"),
-    Scheme("MPD-KFAC (eigen)", "comm-opt", {"assignment": "round-robin",
-                                            "colocate_factors": False},
-           "lzhangbv/kfac_pytorch `eigen`: factor j (a layer's A, then its G) decomposed on rank "
-           "j mod P, which broadcasts its eigenbasis and eigenvalues to every worker"),
+    Scheme("MPD-KFAC (eigen)", "comm-opt", {"assignment": "round-robin"},
+           "lzhangbv/kfac_pytorch `eigen`: with more workers than layers factor j (a layer's A, "
+           "then its G) is decomposed on rank j mod P, else layer l's two on rank l mod P (its "
+           "default `distribute_layer_factors=None`); that rank broadcasts the eigenbases and "
+           "eigenvalues to every worker", split_when_more_workers=True),
     Scheme("KAISA COMM-OPT", "comm-opt", {},
            "KAISA f = 1: greedy n³ placement, eigen state broadcast to all"),
     Scheme("KAISA HYBRID-OPT", "hybrid-opt", {"grad_worker_fraction": HYBRID_FRACTION},

@@ -71,3 +71,18 @@ def test_validation_on_two_processes() -> None:
     assert network.alpha_s >= 0 and network.bandwidth > 0
     assert {c.stage for c in check.checks} == {"grad_allreduce", "inverse_comm", "grad_comm"}
     assert all(c.predicted_s > 0 and c.measured_s > 0 for c in check.checks)
+
+
+@pytest.mark.parametrize(("layers", "world_size", "colocated"), [
+    (54, 64, False),   # ResNet-50 at 64 GPUs: more workers than layers, A and G apart
+    (156, 64, True),   # ResNet-152: layer l's two factors together on rank l mod P
+    (64, 64, True),    # as many workers as layers: together
+])
+def test_the_eigen_mpd_kfac_places_factors_as_its_code_does_by_default(
+        layers: int, world_size: int, colocated: bool) -> None:
+    """lzhangbv/kfac_pytorch's `eigen` splits a layer's A and G over workers only when there are
+    more workers than layers (``distribute_layer_factors=None``); the row split them always."""
+    eigen = next(s for s in SCHEMES if s.label == "MPD-KFAC (eigen)")
+    assert eigen.options_for(layers, world_size) == {"assignment": "round-robin",
+                                                     "colocate_factors": colocated}
+    assert DP_KFAC.options_for(layers, world_size) == DP_KFAC.options
