@@ -326,7 +326,8 @@ class KFACPreconditioner:
                 uncaptured = []
                 for layer in self.layers:
                     layer.stage_batch_factors(timer)
-                    if layer.batch_a is None and grads[layer.name] is not None:
+                    if (layer.batch_a is None and grads[layer.name] is not None
+                            and strategy.captures(layer)):  # DP-KFAC: owners capture alone
                         uncaptured.append(layer.name)
                     with timer.stage("factors"):
                         layer.update_running_factors(decay)

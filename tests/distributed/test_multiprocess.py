@@ -149,6 +149,13 @@ def test_ddp_two_processes_match_single_process(p2: list[dict[str, Any]], name: 
     _check_against_reference([r["runs"][name] for r in p2], name, P2_CONFIGS[name])
 
 
+def test_no_rank_reports_a_layer_that_should_have_captured(p4: list[dict[str, Any]],
+                                                            p2: list[dict[str, Any]]) -> None:
+    """Under dp-kfac only a layer's owner captures: the others must not take that for a layer
+    that captured nothing (the warning meant for a model trained in eval() mode)."""
+    assert [r["uncaptured_warnings"] for r in p4 + p2] == [[]] * 6
+
+
 @pytest.mark.parametrize("name", P4_CONFIGS)
 def test_assignment_identical_across_ranks(p4: list[dict[str, Any]], name: str) -> None:
     rows = [r["runs"][name]["assignment"] for r in p4]
