@@ -11,11 +11,15 @@ restart the whole group with ``TORCHELASTIC_RESTART_COUNT`` raised by one;
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import os
 import pickle
 import random
+import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -161,8 +165,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Have the kernel end this process when its parent dies (Linux; elsewhere nothing): a
+    launcher killed by a signal cannot stop its workers itself."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
 def _local_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out: str,
                  device: str, args: tuple[Any, ...]) -> None:
+    _die_with_parent()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -171,10 +187,33 @@ def _local_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, 
         result = fn(*args)
     except (ConfigError, *USER_ERRORS) as exc:  # the launcher reports it in one line
         result = WorkerError(f"rank {rank}: {exc}")
-    finally:
+        # Written before the group is left: the other ranks then fail in their next
+        # collective, and the launcher must find this message rather than theirs.
+        _write_result(out, rank, result)
         cleanup()
+        return
+    except BaseException:
+        cleanup()
+        raise
+    cleanup()
+    _write_result(out, rank, result)
+
+
+def _write_result(out: str, rank: int, result: Any) -> None:
     with open(Path(out) / f"result{rank}.pkl", "wb") as handle:
         pickle.dump(result, handle)
+
+
+def _worker_error(out: str, world_size: int) -> WorkerError | None:
+    """The lowest rank's :class:`WorkerError` among the results written so far, if any."""
+    for rank in range(world_size):
+        path = Path(out) / f"result{rank}.pkl"
+        if path.exists():
+            with open(path, "rb") as handle:
+                result = pickle.load(handle)
+            if isinstance(result, WorkerError):
+                return result
+    return None
 
 
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str = "cpu",
@@ -208,17 +247,27 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
             _local_entry, args=(fn, world_size, _free_port(), out, device, args),
             nprocs=world_size, join=False, start_method="spawn")
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not context.join(timeout=2.0):
-            if deadline is not None and time.monotonic() > deadline:
-                for process in context.processes:
+        try:
+            while not context.join(timeout=2.0):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} "
+                                       f"processes did not finish in {timeout} s")
+        except mp.ProcessRaisedException:
+            # A rank with a user error leaves first; the others then fail in a collective.
+            error = _worker_error(out, world_size)
+            if error is not None:
+                raise error from None
+            raise
+        finally:  # on any way out (an error, a timeout, Ctrl-C) no worker is left running
+            for process in context.processes:
+                if process.is_alive():
                     process.kill()
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} processes "
-                                   f"did not finish in {timeout} s")
+                    process.join(timeout=10)
+        error = _worker_error(out, world_size)
+        if error is not None:
+            raise error
         results = []
         for rank in range(world_size):
             with open(Path(out) / f"result{rank}.pkl", "rb") as handle:
                 results.append(pickle.load(handle))
-        for result in results:
-            if isinstance(result, WorkerError):
-                raise result
         return results

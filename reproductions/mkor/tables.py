@@ -138,7 +138,8 @@ def fitted_exponent(dims: Sequence[int], values: Sequence[float | None]) -> floa
 
 def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> Table:
     """M1: Table 1 measured per ``d x d`` layer at ``world_size`` GPUs."""
-    options = second_order_options()
+    options = {method: {k: v for k, v in opts.items() if k != "skip_layers"}  # BERT's heads
+               for method, opts in second_order_options().items()}
     strategy = options["kfac"].get("strategy", "comm-opt")
     costs, times = [], []
     for d in dims:

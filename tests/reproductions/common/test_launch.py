@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,6 +98,76 @@ def test_a_user_error_in_a_worker_reaches_the_launcher_as_one_line() -> None:
 
 def _bad_setting_by_rank() -> None:
     _bad_setting(int(os.environ["RANK"]))
+
+
+def _user_error_on_rank_one() -> None:
+    """Rank 1 cannot read its checkpoint; rank 0 goes on into a collective, which then fails."""
+    if int(os.environ["RANK"]) == 1:
+        raise CheckpointError("rank 1's checkpoint is damaged")
+    dist.all_reduce(torch.ones(1))
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_user_error_on_one_rank_is_reported_not_the_others_broken_collective() -> None:
+    """The failing rank left its group before writing its message, so the launcher raised the
+    other rank's "Connection closed by peer" traceback instead of the one-line error."""
+    from reproductions.common.launch import run_local
+
+    with pytest.raises(WorkerError, match=r"^rank 1: rank 1's checkpoint is damaged$"):
+        run_local(_user_error_on_rank_one, 2, timeout=120)
+
+
+def _sleep_forever(pids: str | None = None) -> None:
+    """Write this worker's process id into ``pids`` (a folder), then sleep."""
+    import time
+
+    if pids is not None:
+        (Path(pids) / os.environ["RANK"]).write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and " Z " not in Path(
+        f"/proc/{pid}/stat").read_text()
+
+
+def test_workers_do_not_outlive_the_launcher(tmp_path: Path) -> None:
+    """A launcher stopped by a timeout, or killed by a signal, left its workers running on."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from reproductions.common.launch import run_local
+
+    with pytest.raises(TimeoutError):
+        run_local(_sleep_forever, 2, timeout=3)
+    assert not [c for c in mp.active_children() if c.is_alive()]
+    if not sys.platform.startswith("linux"):
+        return
+    # Started as a shell's background job is: SIGINT ignored, which the workers inherit, so
+    # the SIGINT PyTorch's spawn asks the kernel to send them at their parent's death is lost.
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "from reproductions.common.launch import run_local; "
+         "from tests.reproductions.common.test_launch import _sleep_forever; "
+         f"run_local(_sleep_forever, 2, {str(tmp_path)!r})"],
+        cwd=Path(__file__).resolve().parents[3],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    assert len(pids) == 2, "the workers did not start"
+    launcher.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
 
 
 def _finish_late() -> float:
