@@ -1321,7 +1321,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             return measure_rates(sorted({*sizes, largest_factor(workload)}), device, clock,
                                  copy_elements=2**20 if args.quick else 2**26)
 
-        before = rates_now()
+        before = all_rates[name] = rates_now()
         raw[name] = {"load_before": os.getloadavg()}
         measured = {}
         for method in methods:
@@ -1329,6 +1329,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                            use_autocast, check_size=min(sizes, key=lambda n: abs(n - 1024)))
             measured[method.name] = (measure_method(spec) if args.in_process
                                      else measure_isolated(spec))
+            run, base_peak = measured[method.name]
+            raw[name][method.name] = asdict(run) | {"base_peak_bytes": base_peak}
+            # What is measured so far, for --reamortize if the run is cut off (a time limit).
+            write_json(args.json, partial_record(device, load, all_rates, names, peers, raw))
         runs = {m: run for m, (run, _) in measured.items()}
         # A shared machine slows down at times: the rates are the best of two measurements,
         # one before the runs and one after, so a slow spell cannot lower a bound.
@@ -1336,7 +1340,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         base_steps[name] = base_step(runs.values())
         for method in methods:
             run, base_peak = measured[method.name]
-            raw[name][method.name] = asdict(run) | {"base_peak_bytes": base_peak}
             rows += summarise(name, base_peak, method, run, rates, args.intervals)
         raw[name]["load_after"] = os.getloadavg()
         print(f"[{name} done at {time.perf_counter() - started:.0f} s, load "
@@ -1364,11 +1367,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return out
 
 
+def partial_record(device: torch.device, load: dict[str, Any], rates: dict[str, Rates],
+                   names: Sequence[str], peers: Peers, raw: dict[str, dict[str, Any]]
+                   ) -> dict[str, Any]:
+    """The record of a run still going: its raw measurements and the rates so far, without
+    rows or tables (``--reamortize`` computes them, when the run was cut off)."""
+    return {"partial": True, "environment": environment(device), "load": load,
+            "rates": {name: asdict(r) for name, r in rates.items()},
+            "workloads": {n: WORKLOADS[n].description for n in names}, "peers": asdict(peers),
+            "rows": [], "targets": [], "raw": raw, "tables": {}}
+
+
 def write_json(path: Path | None, out: dict[str, Any]) -> None:
-    """Write a run's record to ``path`` (``--json``), if given."""
+    """Write a run's record to ``path`` (``--json``), if given, atomically (a run killed while
+    writing leaves the previous record whole)."""
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1, default=str))
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(json.dumps(out, indent=1, default=str))
+        os.replace(temporary, path)
 
 
 def tables_markdown(tables: dict[str, str]) -> str:

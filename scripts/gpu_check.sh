@@ -7,13 +7,16 @@
 #      convolution's A from shifted views against its patches, to check on the device the
 #      choice core.layers.SHIFTED_FLOP_FRACTION makes;
 #   3. scripts/bench.py on CUDA (bf16 autocast, CUDA events), one workload at a time, each with
-#      its own time limit and JSON file, so a slow one does not take the others' results with it.
+#      its own time limit and JSON file, so a slow one does not take the others' results with it
+#      (each method's measurements are saved as they come: a workload cut off by its limit leaves
+#      a partial record, which `scripts/bench.py --reamortize FILE` turns into tables).
 # Everything lands in $OUT (the device tool's output folder) or ./gpu_check. Run from the
 # repository root with a Python that has torch with CUDA, timm, transformers, scipy and pytest:
 #   bash scripts/gpu_check.sh
 # DEVICE, GRAM_ARGS, CONV_ARGS, WORKLOADS, BENCH_SECONDS and BENCH_ARGS override the defaults
-# (the tests run the script on the CPU with a quick benchmark). The defaults fit the device
-# tool's 10-minute command; a workload cut off by its limit can be run again alone
+# (the tests run the script on the CPU with a quick benchmark). The limits add up to 570 s, inside
+# the device tool's 10-minute command (TESTS_SECONDS, GRAM_SECONDS, CONV_SECONDS and
+# BENCH_SECONDS change them); a workload cut off by its limit can be run again alone
 # (WORKLOADS=...).
 set -uo pipefail
 
@@ -21,9 +24,10 @@ out=${OUT:-gpu_check}
 python=${PYTHON:-python3}
 device=${DEVICE:-cuda}
 workloads=${WORKLOADS:-resnet18-32 bert-small resnet18-224}
-bench_seconds=${BENCH_SECONDS:-130}
+bench_seconds=${BENCH_SECONDS:-120}
 mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+# The repository first; anything already on PYTHONPATH (carried wheels, say) after it.
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 
 {
     date -u
@@ -35,17 +39,17 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 } >"$out/environment.txt" 2>&1
 
 status=0
-"$python" -m pytest -q -p no:cacheprovider tests/core/test_devices.py >"$out/tests.log" 2>&1 \
-    || status=1
+timeout "${TESTS_SECONDS:-100}" "$python" -m pytest -q -p no:cacheprovider \
+    tests/core/test_devices.py >"$out/tests.log" 2>&1 || status=1
 tail -n 3 "$out/tests.log"
 
 # shellcheck disable=SC2086  # GRAM_ARGS is a list of options
-timeout 90 "$python" -m scripts.gram_blocks --device "$device" ${GRAM_ARGS:-} \
+timeout "${GRAM_SECONDS:-60}" "$python" -m scripts.gram_blocks --device "$device" ${GRAM_ARGS:-} \
     >"$out/gram_blocks.md" 2>&1 || status=1
 tail -n 2 "$out/gram_blocks.md"
 
 # shellcheck disable=SC2086  # CONV_ARGS is a list of options
-timeout 60 "$python" -m scripts.conv_gram --device "$device" ${CONV_ARGS:-} \
+timeout "${CONV_SECONDS:-50}" "$python" -m scripts.conv_gram --device "$device" ${CONV_ARGS:-} \
     >"$out/conv_gram.md" 2>&1 || status=1
 tail -n 2 "$out/conv_gram.md"
 

@@ -330,3 +330,29 @@ def test_a_saved_run_amortizes_again_over_other_intervals_without_measuring(
         step_10 = next(r for r in written["rows"] if r["method"] == method)["step_s"]
         assert step_10 == pytest.approx((update + 9 * plain) / 10)
     assert json.loads(out.read_text())["rows"] == again["rows"]
+
+
+def test_each_measured_method_is_saved_before_the_run_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run cut off by a time limit (the GPU check's) wrote nothing: its record was written at
+    the end only. Now each method's measurements are saved as they come, as a partial record
+    that --reamortize turns into rows."""
+    writes: list[dict] = []
+    write = bench.write_json
+
+    def recording(path: Path | None, out: dict) -> None:
+        writes.append(json.loads(json.dumps(out, default=str)))
+        write(path, out)
+
+    monkeypatch.setattr(bench, "write_json", recording)
+    final = bench.main(["--quick", "--in-process", "--workloads", "tiny-cnn", "--methods",
+                        "kfac-inverse", "mkor", "--intervals", "10", "--json",
+                        str(tmp_path / "run.json")])
+    assert [w.get("partial", False) for w in writes] == [True, True, False]
+    first = writes[0]
+    assert set(first["raw"]["tiny-cnn"]) == {"load_before", "kfac-inverse"}
+    rows = bench.reamortize(first, [10])["rows"]
+    assert [r["method"] for r in rows] == ["kfac-inverse"]
+    assert rows[0]["step_s"] == next(r for r in final["rows"]
+                                     if r["method"] == "kfac-inverse")["step_s"]
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically, nothing left over
