@@ -967,7 +967,8 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
             if method.kind == "mkor":  # matvec, then the rank-1 update (read and write)
                 update["inversion"] += rates.passes(squares * word, 3,
                                                     stream=stream["inversion"])
-                step_work = {"precondition": gemm, "scale": scale}
+                # its per-layer rescale runs (and is timed) in its precondition stage
+                step_work = {"precondition": gemm + scale, "scale": 0.0}
             else:  # eva: a bilinear form and the KL term in one read of the gradient, then
                 # one rank-1 update of it into .grad, the clip's scale folded in (as K-FAC's)
                 step_work = {"precondition": rates.passes(g * a * word, 3,
