@@ -370,6 +370,9 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     if ctx.world_size > 1:
         model = DistributedDataParallel(model, device_ids=[ctx.local_rank]
                                         if ctx.device.type == "cuda" else None)
+    # Each rank its own dropout masks (NVIDIA's recipe seeds with seed + rank): with one seed
+    # the ranks' masks were the same, their noise fully correlated.
+    seed_everything(cfg.seed + ctx.rank)
     accumulation = cfg.accumulation_steps(ctx.world_size)
     dtype = autocast_dtype(cfg.precision, ctx.device)
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=dtype == torch.float16)

@@ -21,6 +21,9 @@ from core.optim import FIRST_ORDER, OPTIMIZERS, check_preconditioner_options
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """Where the experiment files live; ``--config NAME`` also finds ``CONFIG_DIR/NAME.json``."""
 
+MAX_POSITIONS = 512
+"""Position embeddings of every preset (BERT's), so a model can run any seq_len up to 512."""
+
 MODEL_PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
              "intermediate_size": 64},
@@ -69,7 +72,8 @@ class WarmStart:
 
     def __post_init__(self) -> None:
         check_number("warm_start.steps", self.steps, low=1, integer=True)
-        check_number("warm_start.seq_len", self.seq_len, low=8, integer=True)
+        check_number("warm_start.seq_len", self.seq_len, low=8, high=MAX_POSITIONS,
+                     integer=True)
         check_number("warm_start.lr", self.lr, low=0.0, low_inclusive=False, **_FINITE)
         check_number("warm_start.warmup", self.warmup, low=0.0, high=1.0)
 
@@ -161,10 +165,11 @@ class PretrainConfig:
         _check_strings("corpus", self.corpus)
         check_choice("precision", self.precision, PRECISIONS)
         check_choice("schedule", self.schedule, SCHEDULES)
-        for name, low in (("vocab_size", 16), ("seq_len", 8), ("batch_size", 1), ("steps", 1),
+        for name, low in (("vocab_size", 16), ("batch_size", 1), ("steps", 1),
                           ("eval_every", 1), ("eval_batches", 1), ("checkpoint_every", 1),
                           ("smooth_window", 1), ("seed", 0)):
             check_number(name, getattr(self, name), low=low, integer=True)
+        check_number("seq_len", self.seq_len, low=8, high=MAX_POSITIONS, integer=True)
         if self.micro_batch_size is not None:
             check_number("micro_batch_size", self.micro_batch_size, low=1, integer=True)
         check_number("lr", self.lr, low=0.0, low_inclusive=False, **_FINITE)

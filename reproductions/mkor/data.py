@@ -16,6 +16,7 @@ optimizer sees identical batches, and a resumed run sees the batches it would ha
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,36 +214,75 @@ def _pair_segments(batch: dict[str, list], indices: list[int], *, segment: int, 
     return out
 
 
+SPLIT_CHUNKS = 20
+"""At least this many contiguous runs of corpus lines are what the held-out split draws from."""
+
+
+def held_out_lines(lines: int, *, eval_fraction: float, seed: int) -> np.ndarray:
+    """Which corpus lines are held out: whole contiguous runs of lines (at most
+    :data:`PAIRING_BATCH` each, at least :data:`SPLIT_CHUNKS` of them), drawn at random by
+    ``seed`` until ``eval_fraction`` of the lines (at least one run) are held out.
+
+    The split is of text, before any pairing: no segment, and no random ``B`` segment, of a
+    training example comes from a held-out line, and it does not depend on ``seq_len`` (the
+    warm start's shorter examples hold out the same lines).
+
+    Returns:
+        A boolean mask over the lines, True where held out.
+    """
+    size = max(1, min(PAIRING_BATCH, lines // SPLIT_CHUNKS))
+    chunks = math.ceil(lines / size)
+    wanted = max(1, round(eval_fraction * lines))
+    mask = np.zeros(lines, dtype=bool)
+    for chunk in np.random.default_rng(seed).permutation(chunks):
+        mask[chunk * size:(chunk + 1) * size] = True
+        if mask.sum() >= wanted:
+            break
+    return mask
+
+
+def _pairs(texts: Dataset, tokenizer: PreTrainedTokenizerBase, *, seq_len: int, seed: int,
+           part: str) -> Dataset:
+    """Tokenised sentence pairs of some corpus lines (see :func:`_pair_segments`)."""
+    tokens = texts.map(_tokenize, batched=True, remove_columns=["text"],
+                       fn_kwargs={"tokenizer": tokenizer}, desc=f"tokenising ({part})")
+    return tokens.map(
+        _pair_segments, batched=True, batch_size=PAIRING_BATCH, with_indices=True,
+        remove_columns=["ids"], desc=f"pairing segments for seq_len {seq_len} ({part})",
+        fn_kwargs={"segment": (seq_len - 3) // 2, "cls_id": tokenizer.cls_token_id,
+                   "sep_id": tokenizer.sep_token_id, "seed": seed})
+
+
 def pretraining_examples(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, *, seq_len: int,
                          seed: int, eval_fraction: float) -> tuple[Dataset, Dataset]:
     """Tokenise the corpus and build the train and held-out sentence-pair examples.
+
+    The corpus lines are split first (:func:`held_out_lines`) and each part is paired on its
+    own, so the held-out examples share no text with the training examples.
 
     Args:
         corpus: The corpus.
         tokenizer: A BERT tokenizer (``[CLS]``, ``[SEP]``, ``[MASK]``).
         seq_len: Tokens per example including the three special tokens.
         seed: Seed of the random ``B`` segments and of the train/held-out split.
-        eval_fraction: Fraction held out (at least one example).
+        eval_fraction: Fraction of the corpus lines held out (at least one run of lines).
 
     Returns:
         ``(train, held_out)`` with ``input_ids``, ``token_type_ids``, ``next_sentence_label``.
 
     Raises:
-        ValueError: the corpus is too small for two examples at this ``seq_len``.
+        ValueError: the corpus is too small for an example on each side at this ``seq_len``.
     """
-    tokens = corpus.texts.map(_tokenize, batched=True, remove_columns=["text"],
-                              fn_kwargs={"tokenizer": tokenizer}, desc="tokenising")
-    pairs = tokens.map(
-        _pair_segments, batched=True, batch_size=PAIRING_BATCH, with_indices=True,
-        remove_columns=["ids"], desc=f"pairing segments for seq_len {seq_len}",
-        fn_kwargs={"segment": (seq_len - 3) // 2, "cls_id": tokenizer.cls_token_id,
-                   "sep_id": tokenizer.sep_token_id, "seed": seed})
-    if len(pairs) < 2:
-        raise ValueError(f"{corpus.description} gives {len(pairs)} example(s) at seq_len "
-                         f"{seq_len}; use a larger corpus or a shorter seq_len")
-    held_out = max(1, round(eval_fraction * len(pairs)))
-    split = pairs.train_test_split(test_size=held_out, seed=seed)
-    return split["train"], split["test"]
+    mask = held_out_lines(len(corpus.texts), eval_fraction=eval_fraction, seed=seed)
+    train = _pairs(corpus.texts.select(np.flatnonzero(~mask)), tokenizer, seq_len=seq_len,
+                   seed=seed, part="train")
+    held_out = _pairs(corpus.texts.select(np.flatnonzero(mask)), tokenizer, seq_len=seq_len,
+                      seed=seed, part="held out")
+    if len(train) < 1 or len(held_out) < 1:
+        raise ValueError(f"{corpus.description} gives {len(train)} training and "
+                         f"{len(held_out)} held-out example(s) at seq_len {seq_len}; use a "
+                         "larger corpus, a larger eval_fraction or a shorter seq_len")
+    return train, held_out
 
 
 def _mask_seed(*keys: int) -> int:

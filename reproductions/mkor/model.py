@@ -16,10 +16,7 @@ from transformers import BertConfig, BertForPreTraining
 
 from data.errors import DataUnavailableError
 from reproductions.common.checkpoint import CheckpointError
-from reproductions.mkor.config import MODEL_PRESETS
-
-MAX_POSITIONS = 512
-"""Position embeddings of every preset (BERT's), so a model can run any seq_len up to 512."""
+from reproductions.mkor.config import MAX_POSITIONS, MODEL_PRESETS
 
 
 def bert_config(preset: str, vocab_size: int, dropout: float) -> BertConfig:

@@ -295,6 +295,7 @@ def measure_during_training(cfg: PretrainConfig, tokenizer: Any, examples: tuple
         random_init = build_model(cfg.model, len(tokenizer), cfg.dropout).to(device)
     seed_everything(cfg.seed)  # as bert.train: the run's own random state starts here
     model = build_model(cfg.model, len(tokenizer), cfg.dropout, init_checkpoint).to(device)
+    seed_everything(cfg.seed)  # as bert.train's rank 0: its dropout stream starts here
     model.train()
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     optimizer = make_optimizer(cfg, "mkor", model, scaler, 1)
@@ -500,6 +501,11 @@ def main(argv: list[str] | None = None) -> Table:
             points = [int(p) for p in args.points.split(",") if p.strip()]
         except ValueError:
             parser.error(f"--points {args.points!r}: comma-separated integers expected")
+        if not [p for p in points if 0 <= p <= cfg.steps]:  # before any data or training
+            parser.error(f"--points {args.points!r}: no step in 0..{cfg.steps}, the run's "
+                         "steps (give points within them, or more --steps)")
+        if any(p < 0 for p in points):
+            parser.error(f"--points {args.points!r}: steps must be >= 0")
         results = run_measurement(cfg, points=points, out=args.warm_start_out,
                                   init_checkpoint=args.init_checkpoint,
                                   device=torch.device(args.device), data_dir=args.data_dir)

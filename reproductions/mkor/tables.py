@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 from core.rank1 import BERT_DECODER_PATTERN
+from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
-from reproductions.common.results import load_results
+from reproductions.common.results import ResultsError, load_results
 from reproductions.common.tables import Table, update_tables
 from reproductions.mkor import cnn_study, frequency, rank1_error
 from reproductions.mkor.config import MODEL_PRESETS, load_config
@@ -310,6 +311,12 @@ def load_runs(results_dir: Path, experiment: str) -> list[dict[str, Any]]:
         if (isinstance(data, dict) and data.get("schema") == RESULTS_SCHEMA
                 and data.get("paper") == "mkor" and data.get("experiment") == experiment):
             runs.append(load_results(path))
+    if not any(run["optimizer"] == BASELINE for run in runs):
+        found = ", ".join(sorted({r["optimizer"] for r in runs})) or "no runs"
+        raise ResultsError(f"{results_dir}: no {BASELINE} run of experiment {experiment!r} "
+                           f"({found}); M3 compares every optimizer with it: pass --results "
+                           "a directory holding the runs of python -m reproductions.mkor.bert "
+                           "and --experiment their experiment")
     order = list(NAMES)
     return sorted(runs, key=lambda r: (order.index(r["optimizer"]) if r["optimizer"] in order
                                        else len(order), r["optimizer"]))
@@ -402,11 +409,11 @@ def main(argv: list[str] | None = None) -> list[Table]:
     parser.add_argument("--cnn", default=PAPER_CNN, choices=CNN_CHOICES,
                         help="torchvision CNN of M2's second half (default: the paper's "
                              "resnet50)")
-    parser.add_argument("--world-size", type=int, default=64,
+    parser.add_argument("--world-size", type=positive_int, default=64,
                         help="GPUs simulated for M1 and M2 (default: the paper's 64)")
-    parser.add_argument("--dims", default="256,512,1024,2048",
+    parser.add_argument("--dims", type=_widths, default=[256, 512, 1024, 2048],
                         help="layer widths d of M1, comma-separated (default: 256,512,1024,2048)")
-    parser.add_argument("--kfac-ranks", type=int, default=16,
+    parser.add_argument("--kfac-ranks", type=positive_int, default=16,
                         help="K-FAC ranks simulated (evenly spread; the largest is reported)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="tables to build (default: all); the others in --out are kept")
@@ -414,7 +421,24 @@ def main(argv: list[str] | None = None) -> list[Table]:
                         help="tables file to write (default: reproductions/mkor/results/"
                              "tables.json)")
     args = parser.parse_args(argv)
-    dims = [int(d) for d in args.dims.split(",")]
+    with exit_on_user_error(parser):
+        return _build(args)
+
+
+def _widths(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated layer widths, each an integer >= 2."""
+    try:
+        dims = [int(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated integers") from None
+    if any(d < 2 for d in dims):
+        raise argparse.ArgumentTypeError(f"{text!r}: every width must be >= 2")
+    return dims
+
+
+def _build(args: argparse.Namespace) -> list[Table]:
+    """The body of :func:`main`: build the chosen tables, print and write them."""
+    dims = args.dims
     study = functools.cache(cnn_study.study_tables)  # M5 and M6 come from one reading
     builders: dict[str, Callable[[], Table]] = {
         "M1": lambda: complexity_table(dims, args.world_size, args.kfac_ranks),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from reproductions.common.checkpoint import list_checkpoints
 from reproductions.common.launch import run_local
@@ -24,6 +25,11 @@ def test_kfac_on_two_processes_resumes_each_rank_from_its_own_checkpoint(
     for rank in (0, 1):  # tiny.json checkpoints every 2 steps, and where a run stops
         assert [p.name for p in list_checkpoints(here / f"rank-{rank}")] == [
             "checkpoint-000000002.pt", "checkpoint-000000003.pt"]
+    # Each rank draws its own dropout masks: the torch generators the ranks saved differ (they
+    # were seeded alike, so every rank dropped the same units).
+    saved = [torch.load(list_checkpoints(here / f"rank-{rank}")[-1], weights_only=True)
+             for rank in (0, 1)]
+    assert not torch.equal(saved[0]["rng"]["torch"], saved[1]["rng"]["torch"])
     list_checkpoints(here / "rank-1")[-1].unlink()
     resumed = run_local(bert.main, 2, [*args, "--resume"], timeout=120)
     for rank in (0, 1):

@@ -64,6 +64,8 @@ def test_overrides() -> None:
     ({"preconditioner.kfac.damping": -1.0}, "preconditioner.kfac.damping"),
     ({"preconditioner.mkor.stat_decay_typo": 0.9}, "preconditioner.mkor.stat_decay_typo"),
     ({"preconditioner.mkor-h.window": 0}, "preconditioner.mkor-h.window"),
+    ({"seq_len": 1000}, "seq_len"),  # beyond the 512 positions: a traceback after the data
+    ({"warm_start.seq_len": 600}, "warm_start.seq_len"),
 ])
 def test_errors_name_the_field(overrides: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -115,3 +115,35 @@ def test_a_missing_local_corpus_is_named_as_missing_not_looked_up_online(
     source = str(tmp_path / source[1:]) if source.startswith("/") else source
     with pytest.raises(ConfigError, match=r"existing files \(missing: \["):
         data.load_corpus([source], data_dir=data_dir)
+
+
+def _contains(stream: list[int], segment: list[int]) -> bool:
+    n = len(segment)
+    return any(stream[i:i + n] == segment for i in range(len(stream) - n + 1))
+
+
+def test_held_out_examples_share_no_text_with_training_examples(prepared, corpus_file: Path,
+                                                                data_dir: Path) -> None:
+    """The split was of sentence pairs, after pairing: a held-out example's segments, and the
+    random B segments of training pairs, came from the same lines (45% of the default run's
+    held-out examples held text it trained on). Now whole runs of lines are held out first,
+    the same ones at every seq_len."""
+    tokenizer, train, held_out = prepared
+    corpus = data.load_corpus([str(corpus_file)], data_dir=data_dir)
+    mask = data.held_out_lines(len(corpus.texts), eval_fraction=0.1, seed=0)
+    assert 0.1 <= mask.mean() < 0.2 and mask.sum() % 15 == 0  # runs of 300 // 20 lines
+    starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+    assert all(mask[s:s + 15].all() for s in starts)
+    ids = tokenizer(list(corpus.texts["text"]), add_special_tokens=False)["input_ids"]
+    held_stream = [t for line, held in zip(ids, mask, strict=True) if held for t in line]
+    segment = (32 - 3) // 2
+
+    def segments(example: dict) -> list[list[int]]:
+        tokens = example["input_ids"]
+        return [tokens[1:1 + segment], tokens[2 + segment:2 + 2 * segment]]
+
+    assert all(_contains(held_stream, s) for e in held_out for s in segments(e))
+    assert not any(_contains(held_stream, s) for e in train for s in segments(e))
+    again = data.held_out_lines(len(corpus.texts), eval_fraction=0.1, seed=0)
+    assert (again == mask).all() and not (data.held_out_lines(
+        len(corpus.texts), eval_fraction=0.1, seed=1) == mask).all()

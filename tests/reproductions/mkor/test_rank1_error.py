@@ -137,3 +137,15 @@ def test_the_committed_results_build_the_table(capsys: pytest.CaptureFixture[str
         assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in row[3:9])
     rank1_error.main(["--from-results", str(rank1_error.DEFAULT_RESULTS)])
     assert "| activation |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("points", "says"), [
+    ("50", "--points '50': no step in 0..3, the run's steps"),  # a traceback after the data
+    ("-1,2", "--points '-1,2': steps must be >= 0"),
+])
+def test_points_outside_the_run_are_refused_before_any_work(
+        points: str, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        rank1_error.main(["--config", "tiny", f"--points={points}"])
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err

@@ -116,3 +116,21 @@ def test_measure_costs_of_sgd_and_a_subset_of_methods() -> None:
     assert costs["sgd"].state_bytes == params and costs["lamb"].state_bytes == 2 * params
     with pytest.raises(ValueError, match="adam"):
         measure_costs(model, loss, world_size=4, options={}, methods=("adam",))
+
+
+@pytest.mark.parametrize(("argv", "status", "says"), [
+    (["--dims", "a,b"], 2, "argument --dims: 'a,b' is not comma-separated integers"),
+    (["--world-size", "0"], 2, "argument --world-size: 0 is not >= 1"),
+    # M3 of a directory without runs was written empty ("BERT ?"), over the committed one
+    (["--results", "/nonexistent", "--sections", "M3"], 1,
+     "/nonexistent: no lamb run of experiment 'default' (no runs)"),
+])
+def test_bad_options_end_in_one_line_and_write_nothing(
+        argv: list[str], status: int, says: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tables.json"
+    with pytest.raises(SystemExit) as info:
+        tables.main([*argv, "--out", str(out)])
+    assert info.value.code == status and not out.exists()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and says in err
