@@ -242,6 +242,29 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, device: str =
             traceback).
         TimeoutError: the processes did not finish within ``timeout``.
     """
+    for attempt in range(PORT_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, args, device, timeout)
+        except mp.ProcessRaisedException as exc:
+            # The port was free when chosen and taken before rank 0 bound it (another job):
+            # nothing ran yet, as no rank gets past the rendezvous without rank 0's store.
+            if not _port_taken(exc) or attempt == PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+"""Launches :func:`run_local` tries, each on a fresh port, when the port it chose was taken."""
+
+
+def _port_taken(exc: BaseException) -> bool:
+    text = str(exc)
+    return "EADDRINUSE" in text or "Address already in use" in text
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], device: str,
+              timeout: float | None) -> list[Any]:
+    """One launch of :func:`run_local` on a fresh port."""
     with tempfile.TemporaryDirectory() as out:
         context = mp.start_processes(
             _local_entry, args=(fn, world_size, _free_port(), out, device, args),

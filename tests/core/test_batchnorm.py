@@ -163,7 +163,7 @@ def test_accumulation_averages_micro_batch_blocks() -> None:
 def test_update_interval_running_average_and_state_round_trip() -> None:
     model = make_model()
     x, y = batch()
-    precond = BatchNormPreconditioner(model, mode="diagonal", damping=0.1, factor_decay=0.5,
+    precond = BatchNormPreconditioner(model, mode="diagonal", damping=0.1, factor_decay=0.3,
                                       update_steps=2)
     values = []
     for step in range(3):
@@ -172,7 +172,16 @@ def test_update_interval_running_average_and_state_round_trip() -> None:
         precond.step()
         values.append(precond.blocks[0].fisher.value.clone())
     assert torch.equal(values[0], values[1])  # step 1 is not an update step
-    assert not torch.equal(values[1], values[2])
+    # Step 2 blends its batch's blocks in with weight 1 - 0.3 (a decay of 0.5 could not tell
+    # the two weights apart); the batch's own blocks from a preconditioner that keeps no
+    # average, on the same weights and input.
+    alone = BatchNormPreconditioner(model, mode="diagonal", damping=0.1, factor_decay=0.0)
+    precond.remove_hooks()
+    model.zero_grad()
+    F.cross_entropy(model(x + 2), y).backward()
+    alone.step()
+    torch.testing.assert_close(values[2],
+                               0.3 * values[1] + 0.7 * alone.blocks[0].fisher.value)
     fresh = BatchNormPreconditioner(make_model(), mode="diagonal", damping=0.1, update_steps=2)
     fresh.load_state_dict(precond.state_dict())
     assert fresh.steps == 3 and torch.equal(fresh.blocks[0].fisher.value, values[2])

@@ -83,6 +83,30 @@ def test_conv2d_factors_match_naive_patches(monkeypatch: pytest.MonkeyPatch, sca
     torch.testing.assert_close(g, ref_g)
 
 
+@pytest.mark.parametrize("shifted", [True, False])
+@pytest.mark.parametrize(("kernel", "dilation"), [(3, 1), ((3, 5), (2, 1))])
+def test_same_padding_factors_match_naive_patches_of_its_integer_padding(
+        monkeypatch: pytest.MonkeyPatch, kernel: int | tuple[int, int],
+        dilation: int | tuple[int, int], shifted: bool) -> None:
+    """``padding="same"`` (odd kernels: symmetric) against the naive patches of the same
+    convolution given its padding as integers; the references compared before used the code
+    under test's own reading of "same"."""
+    monkeypatch.setattr("core.layers.SHIFTED_CONV_GRAM", shifted)
+    torch.manual_seed(3)
+    conv = nn.Conv2d(2, 3, kernel, padding="same", dilation=dilation).double()
+    k, d = nn.modules.utils._pair(kernel), nn.modules.utils._pair(dilation)
+    twin = nn.Conv2d(2, 3, kernel, dilation=dilation,
+                     padding=tuple(d[i] * (k[i] - 1) // 2 for i in range(2))).double()
+    x = torch.randn(2, 2, 7, 6, dtype=torch.float64)
+    a, g, gy = captured_factors(conv, x, "kfc")
+    patches = with_bias_column(conv_patches_naive(x, twin))
+    assert patches.shape[1] == 7 * 6  # "same": one row per input position
+    ref_a, ref_g = reference_factors(patches, gy.flatten(2).transpose(1, 2), spatial=True,
+                                     scaling="kfc")
+    torch.testing.assert_close(a, ref_a)
+    torch.testing.assert_close(g, ref_g)
+
+
 def test_grouped_conv_is_skipped_with_warning() -> None:
     model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Flatten(), nn.LazyLinear(2))
     model(torch.randn(1, 4, 5, 5))

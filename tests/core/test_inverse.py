@@ -20,6 +20,7 @@ from core.inverse import (
     damped_cholesky,
     damped_inverse,
     eigen_decompose,
+    factor_shifts,
     inverse_in_place,
     kl_clip_scale,
     pi_split,
@@ -83,6 +84,18 @@ def test_pi_split_formula() -> None:
     a = torch.diag(torch.tensor([4.0, 2.0, 0.0], dtype=torch.float64))
     g = torch.diag(torch.tensor([1.0, 0.5], dtype=torch.float64))
     assert pi_split(a, g) == pytest.approx(math.sqrt((6 / 3) / (1.5 / 2)))
+
+
+def test_pi_split_falls_back_to_an_even_split_for_a_degenerate_factor() -> None:
+    """A layer whose output gradient is all zero (or a factor without a positive trace) has
+    no trace ratio: π = 1, so each side gets √λ, as under the even split."""
+    a = torch.diag(torch.tensor([4.0, 2.0, 1.0], dtype=torch.float64))
+    zeros = torch.zeros(2, 2, dtype=torch.float64)
+    tiny = torch.full((2, 2), 1e-320, dtype=torch.float64)  # a ratio that overflows
+    for left, right in ((a, zeros), (zeros, a), (-a, a), (a, tiny)):
+        assert pi_split(left, right) == 1.0
+    assert factor_shifts(a, zeros, 0.04, "pi") == pytest.approx((0.2, 0.2))
+    assert factor_shifts(a, zeros, 0.04, "full") == (0.04, 0.04)
 
 
 def test_kl_clip_matches_formula() -> None:

@@ -531,3 +531,27 @@ def test_mkor_with_sgd_lowers_the_loss_on_fashion_mnist() -> None:
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:8]) / 8
     assert mkor.metrics()["update_failures"] == 0
+
+
+def test_the_stabiliser_blends_the_layers_inverses_when_they_grow_past_epsilon() -> None:
+    """Through the preconditioner (every other step test disables it or starts from I, which
+    the blend leaves as it is): each update whose inverse's largest entry exceeded ε blends it
+    towards I with weight ζ, and is counted."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).double()
+    mkor = MKORPreconditioner(model, inv_update_steps=1, dtype="float64", epsilon=1.02,
+                              zeta=0.9)
+    expected = torch.eye(4, dtype=torch.float64)
+    fired = 0
+    for _ in range(3):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(5, 3, dtype=torch.float64)),
+                   torch.randn(5, 2, dtype=torch.float64)).backward()
+        mkor.step()
+        layer = mkor.layers[0]
+        blend = 0.9 if stabiliser_fires(expected, epsilon=1.02) else 1.0
+        fired += blend != 1.0
+        expected = update_inverse(expected, layer.a_vec, 0.95, "exact", blend=blend)
+        torch.testing.assert_close(layer.a_inv, expected)
+    assert fired >= 1
+    assert mkor.metrics()["stabilisations"] >= fired

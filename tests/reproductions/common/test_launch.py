@@ -81,6 +81,21 @@ def test_run_local_returns_each_rank_result() -> None:
     assert run_local(_rank_sum, 2, 1.0, timeout=120) == [(0, 3.0, 1), (1, 3.0, 1)]
 
 
+def test_a_port_taken_between_choosing_and_binding_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port is free when chosen and bound by rank 0 later; a job taking it in between
+    made the launch fail with EADDRINUSE."""
+    from reproductions.common import launch
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        chosen = launch._free_port
+        monkeypatch.setattr(launch, "_free_port", lambda: next(ports, None) or chosen())
+        assert launch.run_local(_rank_sum, 2, 1.0, timeout=120) == [(0, 3.0, 1), (1, 3.0, 1)]
+
+
 def _bad_setting(rank: int) -> None:
     if rank == 1:
         raise CheckpointError("the checkpoint in runs/x was saved by a run with other settings")
