@@ -20,7 +20,7 @@ from core import KFACPreconditioner
 from core.config import ConfigError
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
-from reproductions.common.cli import exit_on_user_error, positive_int
+from reproductions.common.cli import exit_on_user_error, float_in, positive_int
 
 
 def small_cnn() -> nn.Module:
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="training steps per optimizer")
     parser.add_argument("--batch-size", type=positive_int, default=128,
                         help="examples per step")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (both runs)")
+    parser.add_argument("--lr", type=float_in(0.0, low_inclusive=False), default=0.05,
+                        help="SGD learning rate (both runs)")
     add_data_dir_argument(parser)
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):

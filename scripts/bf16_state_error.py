@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 from core import KFACConfig, KFACPreconditioner  # noqa: E402
 from core.inverse import SIDES, factor_shifts, kept_dtype, make_state, precondition  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
+from reproductions.common.cli import float_in, positive_int  # noqa: E402
 from scripts import bench  # noqa: E402
 
 
@@ -120,9 +121,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="resnet18-32", choices=sorted(bench.WORKLOADS))
     parser.add_argument("--method", default="inverse", choices=("inverse", "cholesky", "eigen"))
-    parser.add_argument("--damping", type=float, default=1e-3)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--tolerance", type=float,
+    parser.add_argument("--damping", type=float_in(0.0, low_inclusive=False), default=1e-3)
+    parser.add_argument("--steps", type=positive_int, default=12)
+    parser.add_argument("--tolerance", type=float_in(0.0),
                         default=KFACConfig.precondition_dtype_tolerance,
                         help="precondition_dtype_tolerance to show the kept factors of")
     return parser.parse_args(argv)

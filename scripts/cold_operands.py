@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from reproductions.common.cli import positive_int
 from scripts.bench import Clock, gemm_rate, markdown_table
 from scripts.gram_blocks import parse_shape_args
 
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None,
          out: Callable[[str], object] = print) -> list[list[str]]:
     """Print the table (and return its rows)."""
     def flush_option(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--flush-mb", type=int, nargs="+", default=list(FLUSH_MB),
+        parser.add_argument("--flush-mb", type=positive_int, nargs="+", default=list(FLUSH_MB),
                             help="sizes of the buffers written before a cold call (MB)")
 
     args, shapes = parse_shape_args(__doc__.split("\n\n")[0], "MxKxN",

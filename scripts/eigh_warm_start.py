@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from reproductions.common.cli import positive_int
 from scripts.bench import Clock, markdown_table
 
 DECAY = 0.95
@@ -125,11 +126,12 @@ def table(rows: Sequence[WarmStartRow]) -> str:
 def main(argv: Sequence[str] | None = None) -> list[WarmStartRow]:
     """Measure every size, print the table and optionally write the rows as JSON."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", type=int, default=[256, 512, 1152, 2304, 4608])
-    parser.add_argument("--interval", type=int, default=10,
+    parser.add_argument("--sizes", nargs="+", type=positive_int,
+                        default=[256, 512, 1152, 2304, 4608])
+    parser.add_argument("--interval", type=positive_int, default=10,
                         help="drift steps between refreshes (the inverse update interval)")
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--trials", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -21,6 +21,7 @@ import torch
 
 import core.factors
 from core.factors import SymmetricGram
+from reproductions.common.cli import positive_int
 from scripts.bench import Clock, gemm_rate, markdown_table
 
 #: (factor dimension, rows): ResNet-18's largest A (4,608 = 512·3·3) at 32x32 and 224x224
@@ -86,15 +87,29 @@ def parse_shape_args(description: str, metavar: str, shapes_help: str,
     to one thread."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shapes", nargs="+", default=None, metavar=metavar, help=shapes_help)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--shapes", nargs="+", default=None, metavar=metavar, help=shapes_help,
+                        type=_shape(metavar.count("x") + 1))
     if more is not None:
         more(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    shapes = list(defaults) if args.shapes is None else [
-        tuple(int(n) for n in s.split("x")) for s in args.shapes]
+    shapes = list(defaults) if args.shapes is None else args.shapes
     return args, shapes
+
+
+def _shape(dims: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type``: ``AxB[xC]`` with ``dims`` positive integers."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            shape = tuple(int(n) for n in text.split("x"))
+        except ValueError:
+            shape = ()
+        if len(shape) != dims or min(shape) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {dims} positive integers joined by 'x'")
+        return shape
+    return parse
 
 
 def main(argv: Sequence[str] | None = None,

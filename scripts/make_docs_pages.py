@@ -42,8 +42,8 @@ import matplotlib.pyplot as plt
 
 from reproductions.common import tables
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
-from reproductions.common.results import load_results
-from reproductions.common.tables import Table, markdown_grid
+from reproductions.common.results import ResultsError, load_results
+from reproductions.common.tables import Table, TablesError, markdown_grid
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -232,12 +232,36 @@ def run_seed(run: Mapping[str, Any]) -> Any:
 def run_label(run: Mapping[str, Any]) -> str:
     """``<optimizer>``, its batch size in a study over batch sizes (a configuration whose name
     is a ``*_large_batch*`` study), plus the seed when the configuration has one, for legends
-    and columns."""
+    and columns; the label :func:`labelled` gave it, when it did."""
+    if LABEL in run:
+        return str(run[LABEL])
     seed = run_seed(run)
     label = run["optimizer"]
     if "large_batch" in str(run.get("experiment", "")) and "batch_size" in run["config"]:
         label += f" B={run['config']['batch_size']:,}"
     return label if seed == "—" else f"{label} (seed {seed})"
+
+
+LABEL = "_label"
+"""Key of the label :func:`labelled` puts in its copies of the runs."""
+
+
+def labelled(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``runs``, each with a label no other run of them has: runs whose
+    :func:`run_label` is the same (a sweep over the learning rate, say) are told apart by the
+    configuration values that differ among them (``kfac (seed 0) lr=10``), else by number."""
+    base = [run_label(run) for run in runs]
+    labels = []
+    for i, (run, label) in enumerate(zip(runs, base, strict=True)):
+        group = [r for r, b in zip(runs, base, strict=True) if b == label]
+        if len(group) > 1:
+            varying = sorted(k for k in run["config"]
+                             if len({json.dumps(r["config"].get(k), sort_keys=True)
+                                     for r in group}) > 1)
+            shown = ", ".join(f"{k}={run['config'][k]}" for k in varying[:3])
+            label = f"{label} {shown}" if shown else f"{label} #{i + 1}"
+        labels.append(label)
+    return [{**run, LABEL: label} for run, label in zip(runs, labels, strict=True)]
 
 
 def line_styles(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -297,6 +321,10 @@ def plot_curves(runs: Sequence[Mapping[str, Any]], path: Path) -> str:
     by_step.set(xlabel="step", ylabel="training loss", title="loss per step")
     by_time.set(xlabel="training seconds (sum of step times)", ylabel="training loss",
                 title="loss against time")
+    losses = [s["loss"] for run in runs for s in run["steps"] if s["loss"] is not None]
+    if losses and min(losses) > 0 and max(losses) > 100 * min(losses):  # a diverging run
+        by_step.set_yscale("log")  # would flatten the others on a linear axis
+        by_time.set_yscale("log")
     by_step.legend(fontsize=8)
     return _save(fig, path)
 
@@ -329,12 +357,13 @@ def plot_stacked(runs: Sequence[Mapping[str, Any]], parts: Sequence[dict[str, fl
     """Horizontal stacked bars, one per run, one segment per key of ``parts``."""
     keys = sorted({k for p in parts for k in p})
     fig, ax = plt.subplots(figsize=(10, 0.5 * len(runs) + 1.6))
-    labels = [run_label(run) for run in runs]
+    rows = range(len(runs))  # positions, not labels: equal labels would share one bar
     left = [0.0] * len(runs)
     for key in keys:
         widths = [p.get(key, 0.0) for p in parts]
-        ax.barh(labels, widths, left=left, label=key)
+        ax.barh(rows, widths, left=left, label=key)
         left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_yticks(rows, [run_label(run) for run in runs])
     ax.invert_yaxis()
     ax.set(xlabel=xlabel, title=title)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
@@ -428,6 +457,7 @@ def summary_table(runs: Sequence[Mapping[str, Any]]) -> str:
 def experiment_section(paper: str, experiment: str, runs: Sequence[Mapping[str, Any]],
                        img_dir: Path) -> str:
     """A page section for one experiment: runs, summary numbers, figures and configurations."""
+    runs = labelled(runs)
     parts = [f"### {experiment}", runs_table(runs)]
     summary = summary_table(runs)
     if summary:
@@ -547,18 +577,25 @@ def write_pages(root: Path, docs: Path) -> dict[str, PaperResults]:
 
     Returns:
         What was read, per paper slug.
+
+    Raises:
+        PagesError, TablesError, ResultsError: ``root`` holds no reproductions, or a results or
+            tables file cannot be read or rendered (the message names it); nothing is written.
     """
+    if not (root / "reproductions").is_dir():
+        raise PagesError(f"{root} holds no reproductions/ folder: pass --root the repository "
+                         "root")
+    # Every paper is read before anything is deleted or written: a bad results file then
+    # leaves the pages and figures as they were.
+    status = {paper.slug: read_paper(root / "reproductions" / paper.slug) for paper in PAPERS}
     out = docs / "reproductions"
     img_dir = out / "img"
     img_dir.mkdir(parents=True, exist_ok=True)
-    status = {}
     for paper in PAPERS:
         for stale in img_dir.glob(f"{paper.slug}-*.png"):
             stale.unlink()
-        results = read_paper(root / "reproductions" / paper.slug)
-        (out / f"{paper.slug}.md").write_text(paper_page(paper, results, img_dir),
+        (out / f"{paper.slug}.md").write_text(paper_page(paper, status[paper.slug], img_dir),
                                               encoding="utf-8")
-        status[paper.slug] = results
     (out / "index.md").write_text(index_page(status), encoding="utf-8")
     return status
 
@@ -575,7 +612,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--docs", type=Path, default=None,
                         help="docs directory to write into (default: <root>/docs)")
     args = parser.parse_args(argv)
-    status = write_pages(args.root, args.docs or args.root / "docs")
+    try:
+        status = write_pages(args.root, args.docs or args.root / "docs")
+    except (PagesError, TablesError, ResultsError) as exc:
+        parser.exit(1, f"make_docs_pages: {exc}\n")
     for slug, results in status.items():
         print(f"make_docs_pages: {slug}: {len(results.runs)} runs, {len(results.tables)} tables")
 

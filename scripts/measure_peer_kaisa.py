@@ -56,6 +56,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from core.optim import build_optimizer  # noqa: E402
+from reproductions.common.cli import positive_int  # noqa: E402
 from scripts import bench  # noqa: E402
 
 #: Where the peer package is looked for by default: outside the package, ignored by git.
@@ -311,14 +312,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--peer-path", type=Path, default=DEFAULT_PEER_PATH,
                         help="folder holding kfac-pytorch's kfac package (pip --target)")
     parser.add_argument("--workload", default="resnet18-32", choices=sorted(bench.WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=positive_int, default=2,
                         help="rounds (one update and two plain steps) per block and method")
-    parser.add_argument("--blocks", type=int, default=2,
+    parser.add_argument("--blocks", type=positive_int, default=2,
                         help="blocks per method, alternating which method runs first")
     parser.add_argument("--no-ours", action="store_true", help="measure KAISA only")
     parser.add_argument("--inv-dtype", choices=sorted(OURS), default="float32",
                         help="KAISA's inv_dtype; ours keeps its inverses in the same dtype")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     return parser.parse_args(argv)
 

@@ -21,15 +21,9 @@ import torchvision
 from torch import nn
 
 from core.distributed import Communicator, SimulationReport, simulate
+from reproductions.common.cli import exit_on_user_error, float_in, positive_int
 
-STRATEGIES: dict[str, dict[str, float]] = {
-    "d-kfac": {},
-    "comm-opt": {},
-    "hybrid-opt": {"grad_worker_fraction": 0.25},
-    "mem-opt": {},
-    "osawa": {},
-    "dp-kfac": {},
-}
+STRATEGIES = ("d-kfac", "comm-opt", "hybrid-opt", "mem-opt", "osawa", "dp-kfac")
 STAGES = ("factor_comm", "inverse_comm", "grad_comm")
 MB = 1e6
 
@@ -74,11 +68,13 @@ def mkor_row(rank1_elements: int, world_size: int, dtype: torch.dtype) -> str:
 
 
 def table(title: str, model: nn.Module, world_size: int, options: dict[str, object],
-          mkor_dtype: torch.dtype) -> str:
-    """The markdown table of one model."""
-    reports = {name: simulate(model, name, world_size, average_grads=False,
-                              **(extra | options))
-               for name, extra in STRATEGIES.items()}
+          mkor_dtype: torch.dtype, fraction: float) -> str:
+    """The markdown table of one model (hybrid-opt with ``fraction`` of the workers)."""
+    reports = {
+        (f"hybrid-opt (f = {fraction:g})" if name == "hybrid-opt" else name):
+        simulate(model, name, world_size, average_grads=False, **options,
+                 **({"grad_worker_fraction": fraction} if name == "hybrid-opt" else {}))
+        for name in STRATEGIES}
     totals = next(iter(reports.values())).totals()
     grad_allreduce = simulate(model, "d-kfac", world_size, ranks=[0]).per_worker(
         stage="grad_allreduce")[0]
@@ -107,7 +103,10 @@ def table(title: str, model: nn.Module, world_size: int, options: dict[str, obje
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--world-size", type=_at_least_two, default=64)
+    parser.add_argument("--grad-worker-fraction", type=float_in(0.0, 1.0, low_inclusive=False),
+                        default=0.25, help="f of the hybrid-opt row (default 0.25): "
+                        "max(1, world size × f) must divide the world size")
     parser.add_argument("--symmetry-aware", action="store_true",
                         help="send symmetric factors and inverses as upper triangles")
     parser.add_argument("--comm-dtype", choices=("float16", "bfloat16"), default=None,
@@ -116,9 +115,20 @@ def main() -> None:
     options: dict[str, object] = {"symmetry_aware": args.symmetry_aware,
                                   "comm_dtype": args.comm_dtype}
     mkor_dtype = getattr(torch, args.comm_dtype or "float32")
-    for title, build in (("ResNet-50", resnet50), ("BERT-Large encoder", bert_large)):
-        print(table(title, build(), args.world_size, options, mkor_dtype))
-        print()
+    with exit_on_user_error(parser):  # an f that does not fit the world size
+        for title, build in (("ResNet-50", resnet50), ("BERT-Large encoder", bert_large)):
+            print(table(title, build(), args.world_size, options, mkor_dtype,
+                        args.grad_worker_fraction))
+            print()
+
+
+def _at_least_two(text: str) -> int:
+    """An argparse ``type``: a world size of two ranks or more (one communicates nothing)."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 2 (one process communicates "
+                                         "nothing)")
+    return value
 
 
 if __name__ == "__main__":

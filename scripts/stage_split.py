@@ -34,6 +34,7 @@ import torch
 from torch.autograd.profiler_util import FunctionEvent
 
 from core.timing import STAGE_TRACE_PREFIX, STAGES, TRACE_PREFIX
+from reproductions.common.cli import positive_int
 from scripts.bench import METHODS, WORKLOADS, Trainer, markdown_table, write_json
 
 #: Name of the part that is no op at all: the stage's own time outside every op in it.
@@ -164,10 +165,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="bert-small")
     parser.add_argument("--method", choices=[m.name for m in METHODS], default="kfac-inverse")
-    parser.add_argument("--steps", type=int, default=3,
+    parser.add_argument("--steps", type=positive_int, default=3,
                         help="update steps each to warm up, to time, and to profile")
-    parser.add_argument("--shown", type=int, default=8, help="largest parts listed per stage")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--shown", type=positive_int, default=8,
+                        help="largest parts listed per stage")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads")
     parser.add_argument("--json", type=Path, help="also write the split here")
     args = parser.parse_args(argv)
     if args.steps < 1:

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from core import KFACPreconditioner
 from core.config import STRATEGIES
 from core.distributed import average_gradients
+from reproductions.common.cli import exit_on_user_error, float_in, positive_int
 from reproductions.common.launch import cleanup, finished
 
 
@@ -57,10 +58,14 @@ def _idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
 
 
+IMAGES = "train-images-idx3-ubyte.gz"
+"""Fashion-MNIST's training images in the Debian package's folder."""
+
+
 def load_data(kind: str, data_dir: Path, n: int) -> tuple[Tensor, Tensor]:
     """``n`` images ``(n, 1, 28, 28)`` and labels, identical on every rank."""
     if kind == "fashion-mnist":
-        images = _idx(data_dir / "train-images-idx3-ubyte.gz")[:n]
+        images = _idx(data_dir / IMAGES)[:n]
         labels = _idx(data_dir / "train-labels-idx1-ubyte.gz")[:n]
         x = torch.from_numpy(images.astype(np.float32) / 255.0).unsqueeze(1)
         return (x - 0.286) / 0.353, torch.from_numpy(labels.astype(np.int64))
@@ -140,13 +145,15 @@ def report(precond: KFACPreconditioner, all_ranks: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="comm-opt", choices=(*STRATEGIES, "all"))
-    parser.add_argument("--grad-worker-fraction", type=float, default=0.5,
+    parser.add_argument("--grad-worker-fraction", type=float_in(0.0, 1.0, low_inclusive=False),
+                        default=0.5,
                         help="f for hybrid-opt (world size × f must divide the world size)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=128, help="global batch")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--damping", type=float, default=1e-2)
-    parser.add_argument("--inv-update-steps", type=int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--batch-size", type=positive_int, default=128,
+                        help="global batch (a multiple of the number of processes)")
+    parser.add_argument("--lr", type=float_in(0.0, low_inclusive=False), default=0.05)
+    parser.add_argument("--damping", type=float_in(0.0, low_inclusive=False), default=1e-2)
+    parser.add_argument("--inv-update-steps", type=positive_int, default=5)
     parser.add_argument("--symmetry-aware", action="store_true")
     parser.add_argument("--comm-dtype", choices=("float16", "bfloat16"), default=None)
     parser.add_argument("--factors-in-backward", action="store_true",
@@ -158,17 +165,25 @@ def main() -> None:
     parser.add_argument("--data", choices=("synthetic", "fashion-mnist"), default="synthetic")
     parser.add_argument("--data-dir", type=Path,
                         default=Path("/usr/share/datasets/fashion-mnist"))
-    parser.add_argument("--examples", type=int, default=4096)
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--examples", type=positive_int, default=4096)
+    parser.add_argument("--log-every", type=positive_int, default=10)
     parser.add_argument("--all-ranks", action="store_true", help="print every rank's ledger")
     args = parser.parse_args()
     if args.examples <= args.batch_size:
         parser.error(f"--examples ({args.examples}) must exceed --batch-size "
                      f"({args.batch_size}): each step takes a window of the examples")
+    if args.data == "fashion-mnist" and not (args.data_dir / IMAGES).is_file():
+        parser.error(f"--data-dir {args.data_dir} holds no {IMAGES}: install the Debian "
+                     "package (apt-get install dataset-fashion-mnist) or pass its folder")
     device = setup()
+    world_size = rank_and_size()[1]
+    if args.batch_size % world_size:
+        parser.error(f"--batch-size {args.batch_size} is not a multiple of the {world_size} "
+                     "processes (each takes an equal share)")
     data = load_data(args.data, args.data_dir, args.examples)
-    for strategy in (STRATEGIES if args.strategy == "all" else (args.strategy,)):
-        train(strategy, args, data, device)
+    with exit_on_user_error(parser):  # an invalid K-FAC option (e.g. f for this world size)
+        for strategy in (STRATEGIES if args.strategy == "all" else (args.strategy,)):
+            train(strategy, args, data, device)
     finished()  # every rank done with every group before they are torn down
     cleanup()
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from reproductions.common.tables import KINDS, TablesError, write_tables
+from scripts import make_docs_pages
 from scripts.make_docs_pages import (
     KIND_MEANINGS,
     NO_RESULTS,
@@ -98,6 +99,7 @@ def test_the_index_lists_what_each_reproduction_has(generated: Path) -> None:
 
 
 def test_stale_figures_are_removed(tmp_path: Path) -> None:
+    (tmp_path / "reproductions").mkdir()
     img = tmp_path / "docs" / "reproductions" / "img"
     img.mkdir(parents=True)
     (img / "osawa2018-gone-loss.png").write_bytes(b"old")
@@ -126,6 +128,39 @@ def test_a_bad_tables_file_names_the_file_table_and_field(tmp_path: Path, change
         read_paper(tmp_path)
     assert str(path) in str(raised.value)
     assert "'T1'" in str(raised.value) or "tables[0]" in str(raised.value)
+
+
+def test_a_bad_file_or_root_ends_in_one_line_and_leaves_the_pages_as_they_were(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A truncated results file gave a traceback after the paper's figures were deleted (its
+    page still linking them); a --root without reproductions/ wrote "no results" pages."""
+    write_reproduction(tmp_path, "mkor")
+    docs = tmp_path / "docs"
+    write_pages(tmp_path, docs)
+    pages = {p: p.read_bytes() for p in (docs / "reproductions").rglob("*") if p.is_file()}
+    assert any(p.suffix == ".png" for p in pages)
+    (tmp_path / "reproductions" / "mkor" / "results" / "zz-broken.json").write_text('{"sch')
+    for root, says in ((tmp_path, "zz-broken.json: not valid JSON"),
+                       (tmp_path / "typo", "holds no reproductions/ folder")):
+        with pytest.raises(SystemExit) as info:
+            make_docs_pages.main(["--root", str(root), "--docs", str(docs)])
+        assert info.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith("make_docs_pages: ") and says in err and "Traceback" not in err
+        assert {p: p.read_bytes() for p in (docs / "reproductions").rglob("*")
+                if p.is_file()} == pages
+
+
+def test_runs_of_a_sweep_get_labels_that_tell_them_apart() -> None:
+    """Four K-FAC runs of a learning-rate sweep were all "kfac (seed 0)": one table column
+    header, one bar row and one legend entry for four runs."""
+    runs = [{"optimizer": o, "experiment": "study", "config": {"seed": 0, "lr": lr, "name": "x"}}
+            for o in ("kfac", "sgd") for lr in (10, 1)] + [
+        {"optimizer": "mkor", "experiment": "study", "config": {"seed": 0, "lr": 1}}] * 2
+    labels = [run[make_docs_pages.LABEL] for run in make_docs_pages.labelled(runs)]
+    assert labels == ["kfac (seed 0) lr=10", "kfac (seed 0) lr=1", "sgd (seed 0) lr=10",
+                      "sgd (seed 0) lr=1", "mkor (seed 0) #5", "mkor (seed 0) #6"]
+    assert [make_docs_pages.run_label(r) for r in make_docs_pages.labelled(runs)] == labels
 
 
 def test_a_truncated_json_file_fails_naming_it(tmp_path: Path) -> None:
