@@ -217,11 +217,15 @@ def _pair_segments(batch: dict[str, list], indices: list[int], *, segment: int, 
 SPLIT_CHUNKS = 20
 """At least this many contiguous runs of corpus lines are what the held-out split draws from."""
 
+SPLIT_RUN = 100
+"""At most this many corpus lines per held-out run: several runs from across the corpus (its
+genres) rather than one block of it."""
+
 
 def held_out_lines(lines: int, *, eval_fraction: float, seed: int) -> np.ndarray:
     """Which corpus lines are held out: whole contiguous runs of lines (at most
-    :data:`PAIRING_BATCH` each, at least :data:`SPLIT_CHUNKS` of them), drawn at random by
-    ``seed`` until ``eval_fraction`` of the lines (at least one run) are held out.
+    :data:`SPLIT_RUN` each, at least :data:`SPLIT_CHUNKS` of them), drawn at random by ``seed``
+    until ``eval_fraction`` of the lines (at least one run) are held out.
 
     The split is of text, before any pairing: no segment, and no random ``B`` segment, of a
     training example comes from a held-out line, and it does not depend on ``seq_len`` (the
@@ -230,7 +234,7 @@ def held_out_lines(lines: int, *, eval_fraction: float, seed: int) -> np.ndarray
     Returns:
         A boolean mask over the lines, True where held out.
     """
-    size = max(1, min(PAIRING_BATCH, lines // SPLIT_CHUNKS))
+    size = max(1, min(SPLIT_RUN, lines // SPLIT_CHUNKS))
     chunks = math.ceil(lines / size)
     wanted = max(1, round(eval_fraction * lines))
     mask = np.zeros(lines, dtype=bool)
