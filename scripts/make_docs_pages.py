@@ -213,7 +213,9 @@ def read_paper(directory: Path) -> PaperResults:
             for table in file_tables:
                 check_paper_vs_ours(table, path)
             found.tables.extend(file_tables)
-        else:
+        elif not (isinstance(schema, str) and schema.startswith(PROJECT_SCHEMAS)):
+            # (the project's own measurement files, e.g. a sweep's grid, reach the pages
+            # through the tables built from them: skipped without a note)
             print(f"make_docs_pages: skipping {path}: schema {schema!r} is neither "
                   f"{RESULTS_SCHEMA!r} nor {tables.SCHEMA!r}", file=sys.stderr)
     found.runs.sort(key=lambda r: (r["experiment"], r["optimizer"], str(run_seed(r))))
@@ -241,6 +243,9 @@ def run_label(run: Mapping[str, Any]) -> str:
         label += f" B={run['config']['batch_size']:,}"
     return label if seed == "—" else f"{label} (seed {seed})"
 
+
+PROJECT_SCHEMAS = "kfac-repro/"
+"""Prefix of the schemas of this project's files (results, tables and measurements)."""
 
 LABEL = "_label"
 """Key of the label :func:`labelled` puts in its copies of the runs."""

@@ -206,14 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: Command-line arguments; ``sys.argv`` when None.
     """
+    papers_option = argparse.ArgumentParser(add_help=False)
+    papers_option.add_argument("--paper", action="append", choices=[p.slug for p in PAPERS],
+                               help="only this reproduction (repeatable; default: all)")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("tables", "dashboards"))
-    parser.add_argument("--paper", action="append", choices=[p.slug for p in PAPERS],
-                        help="only this reproduction (repeatable; default: all)")
-    parser.add_argument("--mode", choices=MODES, default="auto", help="W&B mode for 'tables'")
-    parser.add_argument("--dir", type=Path, default=REPO_ROOT / "runs" / "wandb-tables",
-                        help="where 'tables' writes W&B files")
-    parser.add_argument("--entity", help="W&B entity for 'dashboards' (default: your default)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    tables_command = commands.add_parser("tables", parents=[papers_option],
+                                         help="log the rebuilt tables' figures as W&B runs")
+    tables_command.add_argument("--mode", choices=MODES, default="auto", help="W&B mode")
+    tables_command.add_argument("--dir", type=Path, default=REPO_ROOT / "runs" / "wandb-tables",
+                                help="where the W&B files are written")
+    dashboards_command = commands.add_parser(
+        "dashboards", parents=[papers_option],
+        help="create a report and a workspace view per reproduction (needs a W&B login)")
+    dashboards_command.add_argument("--entity", help="W&B entity (default: your default)")
     args = parser.parse_args(argv)
     papers = [p for p in PAPERS if not args.paper or p.slug in args.paper]
 

@@ -176,8 +176,11 @@ def test_files_in_another_schema_are_skipped_with_a_note(tmp_path: Path,
     path = tmp_path / "results" / "notes.json"
     path.parent.mkdir()
     path.write_text('{"schema": "something/else"}')
+    (tmp_path / "results" / "grid.json").write_text('{"schema": "kfac-repro/some-sweep/v1"}')
     assert read_paper(tmp_path).empty
-    assert "skipping" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "skipping" in err and "notes.json" in err
+    assert "grid.json" not in err  # the project's own measurement files, without a note
 
 
 def test_readme_section_stops_at_the_next_heading_of_its_level() -> None:

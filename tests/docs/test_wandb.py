@@ -137,3 +137,13 @@ def test_dashboards_without_a_login_create_nothing(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     assert main(["dashboards"]) == 1
     assert "Not logged in to W&B" in capsys.readouterr().err
+
+
+def test_an_option_of_the_other_command_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mode`` and ``--dir`` belong to ``tables``, ``--entity`` to ``dashboards``: given to
+    the other command they were accepted and ignored."""
+    for argv in (["dashboards", "--mode", "offline"], ["tables", "--entity", "me"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
