@@ -18,7 +18,6 @@ from tests.reliability.helpers import (
     assert_bit_identical,
     child_env,
     final_state,
-    free_port,
     kill_group,
     newest_step,
     resumed_steps,
@@ -34,10 +33,10 @@ SEED = 20260426
 
 
 def torchrun_args(out: Path, folder: Path) -> list[str]:
-    """A 2-worker gloo job on loopback with one restart allowed (no ``--resume``)."""
-    return ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-            "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            "--local-addr=127.0.0.1", "-m", "reproductions.osawa2018.train",
+    """A 2-worker gloo job on loopback with one restart allowed (no ``--resume``); the
+    rendezvous store binds a free port itself (``--standalone``)."""
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "--max-restarts=1", "--local-addr=127.0.0.1", "-m", "reproductions.osawa2018.train",
             *train_args(out, folder)]
 
 
