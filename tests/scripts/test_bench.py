@@ -103,6 +103,8 @@ def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible(
     ("bench_cpu_2026-12-01_f.json", None),
     ("bench_cpu_2026-12-01_g.json", ("targets",)),
     ("bench_cpu_2026-12-01_h.json", None),
+    ("bench_cpu_2026-12-01_i.json", ("targets",)),
+    ("bench_cpu_resnet18-224_2026-12-02_i.json", ("targets",)),
     ("bench_cpu_resnet18-32_2026-12-01_potri.json", ("targets", "bounds")),
     ("bench_cpu_resnet18-32_2026-12-01_mirror.json", ("targets", "bounds")),
     ("bench_cpu_resnet18-32_2026-12-01_sumcheck.json", ("targets", "bounds")),
