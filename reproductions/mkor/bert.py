@@ -41,6 +41,8 @@ from core.rank1 import BERT_DECODER_PATTERN, Rank1Preconditioner
 from data.atomic import atomic_directory
 from data.paths import add_data_dir_argument
 from reproductions.common.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
     load_agreed_checkpoint,
     require_same_config,
     save_checkpoint,
@@ -331,6 +333,31 @@ RESUME_CHECK: dict[str, Any] = {
                "init_checkpoint")}
 
 
+def adopt_single_process_checkpoints(checkpoints: Path, ctx: DistContext) -> None:
+    """Move checkpoints of the layout before per-rank checkpoints (files straight in
+    ``checkpoints/``, written by rank 0 alone) into ``checkpoints/rank-0``, so that a run
+    started before that change resumes instead of starting over.
+
+    Raises:
+        CheckpointError: there are such files and several processes: rank 0's state alone
+            cannot resume the other ranks' (K-FAC's strategies keep per-rank state).
+    """
+    old = list_checkpoints(checkpoints) if checkpoints.is_dir() else []
+    if not old:
+        return
+    if ctx.world_size > 1:
+        raise CheckpointError(
+            f"{checkpoints} holds checkpoints saved by rank 0 alone (the layout before "
+            "per-rank checkpoints), which cannot resume several processes: resume with one "
+            "process, or start afresh without --resume")
+    target = checkpoints / "rank-0"
+    target.mkdir(exist_ok=True)
+    for path in old:
+        path.rename(target / path.name)
+    tqdm.write(f"moved {len(old)} checkpoint(s) of the earlier layout into {target}",
+               file=sys.stderr)
+
+
 def run_dir(out: Path, cfg: PretrainConfig, name: str) -> Path:
     """Where one run's results and checkpoints go."""
     return out / cfg.experiment / f"{name}-s{cfg.seed}"
@@ -349,6 +376,8 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     results_path = here / "results.json"
     run_config = {**cfg.to_dict(), "optimizer": name}
     resume = args.resume or ctx.restarts > 0
+    if resume:
+        adopt_single_process_checkpoints(here / "checkpoints", ctx)
     if resume and results_path.exists():
         done = load_results(results_path)
         require_same_config(done["config"], run_config, here, together=False, **RESUME_CHECK)

@@ -70,3 +70,25 @@ def test_stage_times_of_a_resumed_run_include_the_steps_before_the_resume(
     stages = resumed["optimizer_stage_time_s"]
     assert stages.get("inversion", 0.0) > 0.0
     assert all(stages[name] > 0.0 for name in ("factors", "precondition", "base_step"))
+
+
+def test_checkpoints_of_the_layout_before_per_rank_ones_are_resumed(
+        run_args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run checkpointed before checkpoints moved to ``checkpoints/rank-<r>`` kept its files in
+    ``checkpoints/``, where --resume no longer looked: it started over at step 0. One process
+    adopts them; several refuse in one line (rank 0's state cannot resume the others)."""
+    args = [*run_args, "--optimizers", "lamb", "--steps", "4", "--wandb", "disabled"]
+    (before,) = bert.main([*args, "--stop-after", "2"])
+    checkpoints = tmp_path / "out" / "tiny" / "lamb-s0" / "checkpoints"
+    for path in list_checkpoints(checkpoints / "rank-0"):  # as the earlier layout had them
+        path.rename(checkpoints / path.name)
+    (checkpoints / "rank-0").rmdir()
+    (after,) = bert.main([*args, "--resume"])
+    assert [s["step"] for s in after["steps"]] == [0, 1, 2, 3]
+    assert after["steps"][:2] == before["steps"]  # continued, not started over
+    assert "moved 1 checkpoint(s) of the earlier layout" in capsys.readouterr().err
+    ctx = bert.DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"),
+                           is_main=True)
+    (checkpoints / "checkpoint-000000009.pt").write_bytes(b"")
+    with pytest.raises(bert.CheckpointError, match="saved by rank 0 alone"):
+        bert.adopt_single_process_checkpoints(checkpoints, ctx)
