@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from core.config import check_number, config_from_options
 from core.distributed.communicator import Communicator
+from core.distributed.transport import SimulatedTransport
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +112,8 @@ def mean_over_ranks(value: float, communicator: Communicator) -> float:
     """``value`` averaged over the communicator's ranks (itself in one process), recorded in
     its ledger (stage ``hybrid_loss``); a non-finite value on any rank makes the mean
     non-finite."""
-    if communicator.world_size == 1:
-        return value
+    if communicator.world_size == 1 or isinstance(communicator.transport, SimulatedTransport):
+        return value  # (a simulated world moves nothing: every rank saw this value)
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend() == "nccl" else torch.device("cpu"))
     total = torch.tensor([value], dtype=torch.float64, device=device)

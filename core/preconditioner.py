@@ -384,6 +384,8 @@ class KFACPreconditioner:
         """Warn, once per layer, about layers that have a gradient but captured nothing on a
         factor-update step, so their factors stay as they were (never built, if they never
         capture)."""
+        if self.disabled_stages & {"capture", "factors"}:  # nothing is captured on purpose
+            return
         new = [name for name in names if name not in self._reported_uncaptured]
         if not new:
             return

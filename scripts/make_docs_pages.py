@@ -254,18 +254,20 @@ LABEL = "_label"
 def labelled(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Copies of ``runs``, each with a label no other run of them has: runs whose
     :func:`run_label` is the same (a sweep over the learning rate, say) are told apart by the
-    configuration values that differ among them (``kfac (seed 0) lr=10``), else by number."""
+    configuration values that differ among them (``kfac (seed 0) lr=10``), and by number where
+    that still leaves two alike."""
     base = [run_label(run) for run in runs]
     labels = []
-    for i, (run, label) in enumerate(zip(runs, base, strict=True)):
+    for run, label in zip(runs, base, strict=True):
         group = [r for r, b in zip(runs, base, strict=True) if b == label]
-        if len(group) > 1:
-            varying = sorted(k for k in run["config"]
-                             if len({json.dumps(r["config"].get(k), sort_keys=True)
-                                     for r in group}) > 1)
-            shown = ", ".join(f"{k}={run['config'][k]}" for k in varying[:3])
-            label = f"{label} {shown}" if shown else f"{label} #{i + 1}"
-        labels.append(label)
+        varying = sorted(k for k in run["config"]
+                         if len({json.dumps(r["config"].get(k), sort_keys=True)
+                                 for r in group}) > 1)
+        shown = ", ".join(f"{k}={json.dumps(run['config'][k])}" for k in varying)
+        labels.append(f"{label} {shown}" if shown else label)
+    counts = {label: labels.count(label) for label in labels}
+    labels = [f"{label} #{i + 1}" if counts[label] > 1 else label
+              for i, label in enumerate(labels)]
     return [{**run, LABEL: label} for run, label in zip(runs, labels, strict=True)]
 
 

@@ -200,8 +200,13 @@ def _local_entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, 
 
 
 def _write_result(out: str, rank: int, result: Any) -> None:
-    with open(Path(out) / f"result{rank}.pkl", "wb") as handle:
+    """This rank's result, written whole or not at all (the launcher may read it while the
+    other ranks still run, to find a user error)."""
+    final = Path(out) / f"result{rank}.pkl"
+    partial = final.with_suffix(".tmp")
+    with open(partial, "wb") as handle:
         pickle.dump(result, handle)
+    os.replace(partial, final)
 
 
 def _worker_error(out: str, world_size: int) -> WorkerError | None:

@@ -238,9 +238,12 @@ def held_out_lines(lines: int, *, eval_fraction: float, seed: int) -> np.ndarray
     chunks = math.ceil(lines / size)
     wanted = max(1, round(eval_fraction * lines))
     mask = np.zeros(lines, dtype=bool)
+    held = 0
     for chunk in np.random.default_rng(seed).permutation(chunks):
-        mask[chunk * size:(chunk + 1) * size] = True
-        if mask.sum() >= wanted:
+        run = slice(chunk * size, min((chunk + 1) * size, lines))
+        mask[run] = True
+        held += run.stop - run.start
+        if held >= wanted:
             break
     return mask
 

@@ -196,3 +196,12 @@ def test_config_errors_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
         HybridSwitch(CountingPreconditioner(), **options)
     assert err.value.field_name == field
+
+
+def test_the_loss_average_over_a_simulated_world_is_the_value() -> None:
+    """A simulated communicator (the measurement code's) moves nothing; the average asked the
+    default process group for its backend, which does not exist there, and raised."""
+    from core.distributed import Communicator
+    from core.hybrid import mean_over_ranks
+
+    assert mean_over_ranks(2.5, Communicator.simulated(0, 4)) == 2.5

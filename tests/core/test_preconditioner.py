@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -548,6 +549,13 @@ def test_training_in_eval_mode_warns_once_that_nothing_was_captured() -> None:
             precond.step()
     assert len([w for w in record if "nothing captured" in str(w.message)]) == 1
     assert not any(layer.has_factors for layer in precond.layers)
+    model.train()  # with capture disabled on purpose (a time breakdown) nothing is reported
+    quiet = KFACPreconditioner(model, disabled_stages=["capture"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.zero_grad()
+        model(torch.randn(16, 4)).square().mean().backward()
+        quiet.step()
 
 
 class _OwnLinear(nn.Linear):

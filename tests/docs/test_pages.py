@@ -161,6 +161,11 @@ def test_runs_of_a_sweep_get_labels_that_tell_them_apart() -> None:
     assert labels == ["kfac (seed 0) lr=10", "kfac (seed 0) lr=1", "sgd (seed 0) lr=10",
                       "sgd (seed 0) lr=1", "mkor (seed 0) #5", "mkor (seed 0) #6"]
     assert [make_docs_pages.run_label(r) for r in make_docs_pages.labelled(runs)] == labels
+    # runs that differ only in a fourth setting, or in a value's type, are told apart too
+    many = [{"optimizer": "kfac", "experiment": "s",
+             "config": {"a": 1, "b": 2, "c": 3, "d": d}} for d in (0.1, "0.1")]
+    named = [run[make_docs_pages.LABEL] for run in make_docs_pages.labelled(many)]
+    assert named == ['kfac d=0.1', 'kfac d="0.1"']
 
 
 def test_a_truncated_json_file_fails_naming_it(tmp_path: Path) -> None:
