@@ -47,7 +47,7 @@ from core.distributed.communicator import Communicator
 from core.factors import RunningFactor
 from core.hyper import Schedulable
 from core.inverse import DecompositionError, _with_fp64_retry
-from core.layer_base import cloned, restored
+from core.layer_base import StepLossScale, cloned, restored
 
 BN_FISHER_MODES = ("unit", "diagonal", "full")
 
@@ -267,8 +267,7 @@ class BatchNormPreconditioner:
         self.factor_decay = factor_decay
         self.update_steps = update_steps
         self.accumulation_steps = accumulation_steps
-        self.grad_scaler = grad_scaler
-        self._loss_scale: float | None = None  # read at the step's first capture
+        self.loss_scale = StepLossScale(grad_scaler)
         self.steps = 0
         self.last_preconditioned = 0
         self.blocks = [
@@ -288,12 +287,8 @@ class BatchNormPreconditioner:
         return step % resolve_interval("update_steps", self.update_steps, step) == 0
 
     def _grad_multiplier(self) -> float:
-        """``accumulation_steps / loss_scale``: undo the loss division and the AMP scale (read
-        at the step's first capture: the scaler moves it after the optimizer step)."""
-        if self._loss_scale is None:
-            self._loss_scale = (1.0 if self.grad_scaler is None
-                                else float(self.grad_scaler.get_scale()))
-        return self.accumulation_steps / self._loss_scale
+        """``accumulation_steps / loss_scale``: undo the loss division and the AMP scale."""
+        return self.accumulation_steps / self.loss_scale.get()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -307,7 +302,7 @@ class BatchNormPreconditioner:
                 if batch is not None:  # a layer no rank ran this step keeps its blocks
                     block.update(batch, decay, damping)
         self.last_preconditioned = sum(block.precondition() for block in self.blocks)
-        self._loss_scale = None
+        self.loss_scale.reset()
         self.steps += 1
         self._capturing = self._update_due(self.steps)
 

@@ -46,6 +46,32 @@ def cloned(value: Tensor | None) -> Tensor | None:
     return None if value is None else value.clone()
 
 
+class StepLossScale:
+    """The AMP loss scale of the current step (1 without a scaler), for dividing it out of
+    captured gradients.
+
+    Read at the step's first capture and kept until :meth:`reset` at the step's end: the
+    scaler moves its scale after the optimizer step, so a later read would give the next
+    step's.
+
+    Args:
+        grad_scaler: An AMP ``GradScaler`` (anything with ``get_scale()``), or None.
+    """
+
+    def __init__(self, grad_scaler: Any = None) -> None:
+        self.grad_scaler = grad_scaler
+        self._value: float | None = None
+
+    def get(self) -> float:
+        if self._value is None:
+            self._value = (1.0 if self.grad_scaler is None
+                           else float(self.grad_scaler.get_scale()))
+        return self._value
+
+    def reset(self) -> None:
+        self._value = None
+
+
 def nbytes(*tensors: Tensor | None) -> int:
     """Bytes held by the given tensors (None entries count zero)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -29,6 +29,7 @@ from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_scale, kl_produ
 from core.kfac_layer import KFACLayer
 from core.layer_base import (
     HALF_OVERFLOW_FIX,
+    StepLossScale,
     check_saved_layers,
     finite_gradients,
     half_overflows,
@@ -126,7 +127,6 @@ class KFACPreconditioner:
             if stage not in STAGES:
                 raise ConfigError("disabled_stages", stage, "names among " + ", ".join(STAGES))
         self.disabled_stages = disabled
-        self.grad_scaler = grad_scaler
         self.steps = 0
         self.skipped_overflow_steps = 0
         self.nonfinite_preconditioned = 0
@@ -144,7 +144,7 @@ class KFACPreconditioner:
 
             strategy_impl = make_strategy(self.config)
         self.strategy = strategy_impl
-        self._loss_scale_cache: float | None = None
+        self.loss_scale = StepLossScale(grad_scaler)
 
         self.layers = build_layers(model, self.config, self._grad_multiplier)
         # Decompositions run widest factor first. Each needs scratch of a few times its
@@ -263,12 +263,9 @@ class KFACPreconditioner:
         and over ``P`` ranks' pooled batches it is the local gradient divided by ``P``. This
         keeps accumulation and every strategy equal to one process on the same global batch.
         """
-        if self._loss_scale_cache is None:
-            scale = 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
-            self._loss_scale_cache = scale
         if self.config.factor_scaling == "kaisa":
-            return 1.0 / (self._loss_scale_cache * self.strategy.factor_ranks)
-        return self.config.accumulation_steps / self._loss_scale_cache
+            return 1.0 / (self.loss_scale.get() * self.strategy.factor_ranks)
+        return self.config.accumulation_steps / self.loss_scale.get()
 
     def _factor_update_due(self, step: int) -> bool:
         return update_due("factor_update_steps", self.config.factor_update_steps, step)
@@ -522,7 +519,7 @@ class KFACPreconditioner:
     def _end_step(self) -> None:
         self._clear_step_record()
         self.steps += 1
-        self._loss_scale_cache = None
+        self.loss_scale.reset()
         self._capturing = self._factor_update_due(self.steps)
         self.strategy.set_step(self.steps)
         self.timer.end_step()

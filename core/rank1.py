@@ -36,7 +36,13 @@ from core.config import (
     update_due,
 )
 from core.distributed.communicator import Communicator
-from core.layer_base import PreconditionedLayer, check_saved_layers, finite_gradients, nbytes
+from core.layer_base import (
+    PreconditionedLayer,
+    StepLossScale,
+    check_saved_layers,
+    finite_gradients,
+    nbytes,
+)
 from core.layers import LayerHelper, helper_for
 from core.preconditioner import discover_layers
 from core.timing import StageTimer, traced
@@ -204,13 +210,12 @@ class Rank1Preconditioner:
                  grad_scaler: Any = None, communicator: Communicator | None = None,
                  **options: Any) -> None:
         self.config = config_from_options(self.config_type, config, options)
-        self.grad_scaler = grad_scaler
         self.dtype: torch.dtype = getattr(torch, self.config.dtype)
         self.comm_dtype: torch.dtype = getattr(torch, self.config.comm_dtype or self.config.dtype)
         self.steps = 0
         self.skipped_overflow_steps = 0
         self.nonfinite_statistics_skips = 0
-        self._loss_scale_cache: float | None = None
+        self.loss_scale = StepLossScale(grad_scaler)
         self._slice_owner: Tensor | None = None  # layer index of each entry of the vectors
         self.communicator = communicator or Communicator.from_torch()
 
@@ -250,10 +255,7 @@ class Rank1Preconditioner:
         The scale is read at the first capture of a step (the scaler updates it after the
         optimizer step, so reading it later would use the next step's scale).
         """
-        if self._loss_scale_cache is None:
-            scale = 1.0 if self.grad_scaler is None else float(self.grad_scaler.get_scale())
-            self._loss_scale_cache = scale
-        return self.config.accumulation_steps / self._loss_scale_cache
+        return self.config.accumulation_steps / self.loss_scale.get()
 
     def _update_due(self, step: int) -> bool:
         interval = getattr(self.config, self.interval_field)
@@ -370,7 +372,7 @@ class Rank1Preconditioner:
     def _end_step(self) -> None:
         self.steps += 1
         self._capturing = self._update_due(self.steps)
-        self._loss_scale_cache = None
+        self.loss_scale.reset()
         self.timer.end_step()
 
     # Reporting and state ---------------------------------------------------------------------
