@@ -302,6 +302,23 @@ class BatchNormPreconditioner:
                 if batch is not None:  # a layer no rank ran this step keeps its blocks
                     block.update(batch, decay, damping)
         self.last_preconditioned = sum(block.precondition() for block in self.blocks)
+        self._end_step()
+
+    def skip_step(self) -> None:
+        """Account for a step whose optimizer update was skipped without :meth:`step` running
+        (a ``GradScaler`` that found an overflow): the blocks its hooks captured are dropped
+        and the step is counted, so schedules stay aligned with K-FAC's."""
+        self.discard_pending()
+        self._end_step()
+
+    def discard_pending(self) -> None:
+        """Forget the blocks the hooks captured since the last step and the loss scale read
+        for them (a step that will not be taken)."""
+        for block in self.blocks:
+            block.fisher.discard_pending()
+        self.loss_scale.reset()
+
+    def _end_step(self) -> None:
         self.loss_scale.reset()
         self.steps += 1
         self._capturing = self._update_due(self.steps)
@@ -349,7 +366,9 @@ class BatchNormPreconditioner:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; the mode and layers must match."""
+        """Restore :meth:`state_dict` output; the mode and layers must match. Blocks captured
+        since the last step are dropped (they belong to a step the saved state has not
+        seen)."""
         names = sorted(b.name for b in self.blocks)
         if state["mode"] != self.mode or sorted(state["layers"]) != names:
             raise ValueError(f"BatchNorm preconditioner state was saved with mode "
@@ -362,6 +381,7 @@ class BatchNormPreconditioner:
             block.inverse = restored(saved["inverse"], device)
             block.failures = int(saved["failures"])
             block.nonfinite_skips = int(saved["nonfinite_skips"])
+        self.discard_pending()
         self.steps = int(state["steps"])
         self._capturing = self._update_due(self.steps)
 

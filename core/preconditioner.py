@@ -412,10 +412,12 @@ class KFACPreconditioner:
         self._forget_captures()
 
     def _forget_captures(self) -> None:
-        """Drop every layer's captures and staged factors, and the step's record of them."""
+        """Drop every layer's captures and staged factors, the step's record of them and
+        the loss scale read for them (the next capture reads the scaler's scale afresh)."""
         for layer in self.layers:
             layer.discard_pending()
         self._clear_step_record()
+        self.loss_scale.reset()
 
     def _clear_step_record(self) -> None:
         """Forget the step's factor reduction and which layers were folded, staged and

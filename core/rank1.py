@@ -300,9 +300,11 @@ class Rank1Preconditioner:
     def discard_pending(self) -> None:
         """Forget the statistics the hooks captured since the last step, counting nothing
         (a step that will not be taken, such as the one on which
-        :class:`~core.hybrid.HybridSwitch` switches to first order)."""
+        :class:`~core.hybrid.HybridSwitch` switches to first order), and the loss scale read
+        for them (the next capture reads the scaler's scale afresh)."""
         for layer in self.layers:
             layer.discard_pending()
+        self.loss_scale.reset()
 
     def _update_captured(self, vector: Tensor) -> None:
         """Update every layer from its slices ``ā``, ``ḡ`` of the rank-averaged ``vector``.
