@@ -78,8 +78,12 @@ def stabiliser_fires(inverse: Tensor, epsilon: float) -> bool:
     """Whether the norm-based stabiliser acts on ``L⁻¹``: ``max |L⁻¹| > ε``.
 
     It then blends ``L⁻¹`` towards ``I`` (``ζ L⁻¹ + (1 − ζ) I``, paper Eq. 3.9), mixing the
-    second-order direction with the first-order one and keeping the factor bounded; the blend
-    is folded into :func:`update_inverse` (``blend=ζ``).
+    second-order direction with the first-order one; the blend is folded into
+    :func:`update_inverse` (``blend=ζ``). Under the exact rule this keeps the factor bounded
+    only when ``ζ < γ``: a direction the statistics do not excite grows by ``1/γ`` per
+    update and the blend scales it by ``ζ``, so where it fires it settles at
+    ``(1 − ζ)/(γ − ζ)`` (2 at the defaults), and grows without bound for ``ζ ≥ γ``. The
+    paper's printed rule, which grows the excited directions, is not bounded by it.
     """
     return bool(max_abs(inverse) > epsilon)
 
@@ -231,6 +235,13 @@ class MKORConfig(Rank1Config):
             raise ConfigError("rescale", self.rescale, "True or False")
         if self.inverse_dtype is not None:
             check_choice("inverse_dtype", self.inverse_dtype, INVERSE_DTYPES)
+        if (self.update_rule == "exact" and math.isfinite(self.epsilon)
+                and not callable(self.stat_decay) and self.zeta >= self.stat_decay):
+            warnings.warn(f"zeta={self.zeta} >= stat_decay={self.stat_decay}: the stabiliser "
+                          "cannot bound the inverse factors under the exact rule (a direction "
+                          "the statistics do not excite grows by zeta/stat_decay per update "
+                          "where it fires, until the update fails); choose zeta < stat_decay",
+                          stacklevel=3)
 
 
 class MKORLayer(Rank1Layer):

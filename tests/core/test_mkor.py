@@ -410,6 +410,44 @@ def test_config_errors_name_the_field(options: dict, field: str) -> None:
     assert err.value.field_name == field
 
 
+@pytest.mark.parametrize(("options", "warns"), [
+    ({"stat_decay": 0.9, "zeta": 0.9}, True),
+    ({"stat_decay": 0.8}, True),
+    ({"stat_decay": 0.8, "epsilon": math.inf}, False),  # no stabiliser
+    ({"stat_decay": 0.8, "update_rule": "official"}, False),  # bounded by its own blend
+    ({"stat_decay": lambda step: 0.8}, False),  # a schedule is not judged
+    ({}, False),
+])
+def test_a_stabiliser_that_cannot_bound_the_exact_inverse_is_reported(options: dict,
+                                                                       warns: bool) -> None:
+    """Under the exact rule a direction the statistics do not excite grows by ``ζ/γ`` per
+    update where the stabiliser fires: ``ζ ≥ γ`` never bounds it (the docs said the blend
+    kept the inverse bounded), and an unexcited ``R⁻¹`` entry grows past 10 within 100
+    updates at ``γ = ζ = 0.9`` while it stays near ``(1 − ζ)/(γ − ζ) = 2`` at the defaults."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MKORConfig(**options)
+    assert any("cannot bound" in str(w.message) for w in caught) == warns
+
+
+@pytest.mark.parametrize(("gamma", "bounded"), [(0.95, True), (0.9, False)])
+def test_the_stabiliser_bounds_an_unexcited_direction_only_below_gamma(gamma: float,
+                                                                       bounded: bool) -> None:
+    """The rank-1 statistics excite one input direction only; the other's entry of ``R⁻¹``
+    grows by ``1/γ`` per update and is blended back by ``ζ = 0.9`` when it passes ``ε``."""
+    layer = nn.Linear(2, 1, bias=False).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mkor = MKORPreconditioner(layer, inv_update_steps=1, stat_decay=gamma, dtype="float64")
+    x = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    for _ in range(100):
+        layer.zero_grad()
+        layer(x).sum().backward()
+        mkor.step()
+    unexcited = mkor.layers[0].a_inv[1, 1].item()
+    assert (unexcited < 2.5) == bounded, unexcited
+
+
 def test_state_dict_round_trip_gives_the_same_next_step() -> None:
     torch.manual_seed(9)
     data = [(torch.randn(6, 3, 5, 5), torch.randint(0, 4, (6,))) for _ in range(4)]
