@@ -201,9 +201,6 @@ class EvaPreconditioner(Rank1Preconditioner):
     def _make_layer(self, name: str, helper: LayerHelper) -> EvaLayer:
         return EvaLayer(name, helper, dtype=self.dtype, grad_multiplier=self._grad_multiplier)
 
-    def _damping(self) -> float:
-        return self._hyper("damping")
-
     def _update_layer(self, layer: EvaLayer, a: Tensor, g: Tensor) -> None:
         layer.update(a, g, self._hyper("factor_decay"))
 
@@ -220,7 +217,7 @@ class EvaPreconditioner(Rank1Preconditioner):
         the host in one transfer for all layers, which gives every coefficient and the clip's
         scale (summed in model order, so every rank gets the same bits); then one rank-1
         update of each gradient in place, the scale folded in."""
-        damping = self._damping()
+        damping = self._hyper("damping")
         ready, sums = [], []
         for layer, parts in grads:
             parts = tuple(None if t is None else t.to(self.dtype) for t in parts)
@@ -270,10 +267,10 @@ class EvaPreconditioner(Rank1Preconditioner):
                           f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=3)
 
     def metrics(self) -> dict[str, float]:
-        """Stage times, communication volume, KL-clip scale and damping."""
+        """The last step's stage times, communication volume, KL-clip scale and damping."""
         out = super().metrics()
         out["kl_scale"] = self.last_kl_scale
         out["nonfinite_preconditioned"] = float(sum(x.nonfinite_preconditioned
                                                     for x in self.layers))
-        out["damping"] = self._damping()
+        out["damping"] = self._hyper("damping", max(self.steps - 1, 0))  # the last step's
         return out

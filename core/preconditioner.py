@@ -271,9 +271,10 @@ class KFACPreconditioner:
         return update_due("factor_update_steps", self.config.factor_update_steps, step)
 
     # The step --------------------------------------------------------------------------------
-    def _hyper(self, name: str) -> float:
-        """A constant-or-scheduled config value at this step, checked against its bounds."""
-        return hyper_at(name, getattr(self.config, name), self.steps)
+    def _hyper(self, name: str, step: int | None = None) -> float:
+        """A constant-or-scheduled config value at ``step`` (this step by default), checked
+        against its bounds."""
+        return hyper_at(name, getattr(self.config, name), self.steps if step is None else step)
 
     def _enabled(self, stage: str) -> bool:
         return stage not in self.disabled_stages
@@ -533,12 +534,13 @@ class KFACPreconditioner:
         return memory_report(self.layers, self.strategy)
 
     def metrics(self) -> dict[str, float]:
-        """Scalars worth logging each step: stage times, KL scale, failure and skip counters,
+        """Scalars worth logging after each step: that step's stage times, KL scale and
+        damping, failure and skip counters,
         and with a narrower ``precondition_dtype`` the factors this rank keeps wider
         (``wide_state_sides``, see ``precondition_dtype_tolerance``)."""
         out: dict[str, float] = {f"time/{k}": v for k, v in self.timer.last.items()}
         out["kl_scale"] = self.last_kl_scale
-        out["damping"] = self._hyper("damping")
+        out["damping"] = self._hyper("damping", max(self.steps - 1, 0))  # the last step's
         out["decomposition_failures"] = sum(x.decomposition_failures for x in self.layers)
         if self.state_dtype != self.inverse_dtype:
             out["wide_state_sides"] = sum(

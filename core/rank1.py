@@ -347,9 +347,10 @@ class Rank1Preconditioner:
         return self.communicator.all_reduce(vector, stage="factor_comm", average=True,
                                             dtype=self.comm_dtype)
 
-    def _hyper(self, name: str) -> float:
-        """A constant-or-scheduled config value at this step, checked against its bounds."""
-        return hyper_at(name, getattr(self.config, name), self.steps)
+    def _hyper(self, name: str, step: int | None = None) -> float:
+        """A constant-or-scheduled config value at ``step`` (this step by default), checked
+        against its bounds."""
+        return hyper_at(name, getattr(self.config, name), self.steps if step is None else step)
 
     def _update_layer(self, layer: Any, a: Tensor, g: Tensor) -> None:
         """Consume the rank-averaged vectors ``ā``, ``ḡ`` of ``layer`` on an update step."""

@@ -252,3 +252,16 @@ def test_config_errors_name_the_field(options: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
         EvaPreconditioner(nn.Linear(2, 2), **options)
     assert err.value.field_name == field
+
+
+def test_metrics_report_the_damping_the_last_step_used() -> None:
+    """With a scheduled damping the logged value is the one the step just taken used (it was
+    the next step's, beside that step's KL scale)."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 3)).to(F64)
+    eva = EvaPreconditioner(model, dtype="float64", damping=lambda step: 0.1 / (step + 1))
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(5, 4, dtype=F64)).square().sum().backward()
+        eva.step()
+    assert eva.metrics()["damping"] == pytest.approx(0.05)
