@@ -48,6 +48,7 @@ from core.factors import RunningFactor
 from core.hyper import Schedulable
 from core.inverse import DecompositionError, _with_fp64_retry
 from core.layer_base import StepLossScale, cloned, restored
+from core.layers import refuse_lazy
 
 BN_FISHER_MODES = ("unit", "diagonal", "full")
 
@@ -274,7 +275,7 @@ class BatchNormPreconditioner:
             BatchNormBlock(name, module, mode, self._grad_multiplier)
             for name, module in model.named_modules()
             if isinstance(module, _BatchNorm) and module.affine and module.weight.requires_grad
-            and not skipped(name, module, skip_layers)
+            and not skipped(name, module, skip_layers) and refuse_lazy(name, module) is None
         ]
         self.communicator = communicator or Communicator.from_torch()
         self._capturing = self._update_due(0)

@@ -312,9 +312,7 @@ class KFACConfig:
             raise ConfigError("colocate_factors", False,
                               f"True with strategy={self.strategy!r} (its owner preconditions "
                               "with both factors)")
-        check_schedulable("accumulation_steps", self.accumulation_steps, low=1, integer=True)
-        if callable(self.accumulation_steps):
-            raise ConfigError("accumulation_steps", self.accumulation_steps, "an integer >= 1")
+        check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
         check_choice("factor_dtype", self.factor_dtype, ("float32", "float64"))
         check_choice("inverse_dtype", self.inverse_dtype, ("float32", "float64"))
         if self.precondition_dtype is not None:
@@ -332,9 +330,7 @@ class KFACConfig:
         if self.comm_dtype is not None:
             check_choice("comm_dtype", self.comm_dtype,
                          ("float16", "bfloat16", "float32", "float64"))
-        check_schedulable("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_inclusive=False)
-        if callable(self.bucket_cap_mb):
-            raise ConfigError("bucket_cap_mb", self.bucket_cap_mb, "a number > 0")
+        check_number("bucket_cap_mb", self.bucket_cap_mb, low=0.0, low_inclusive=False)
         if not isinstance(self.factors_in_backward, bool):
             raise ConfigError("factors_in_backward", self.factors_in_backward, "True or False")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from core import conv_gram
 
@@ -404,23 +405,37 @@ _HELPERS: dict[type[nn.Module], type[LayerHelper]] = {
 }
 
 
+def refuse_lazy(name: str, module: nn.Module) -> None:
+    """Raise :class:`~core.layers.UnsupportedLayerError` for a lazy module (``LazyLinear``,
+    ``LazyConv2d``, ``LazyBatchNorm2d``) whose parameters are not materialised yet: its
+    shapes, and so its factors, are unknown until its first forward pass."""
+    if any(is_lazy(p) for p in module.parameters(recurse=False)):
+        raise UnsupportedLayerError(
+            f"{name or 'the model'} ({type(module).__name__}) has uninitialized parameters: "
+            "run one forward pass (a batch of the training shape) before building the "
+            "preconditioner, or skip it with skip_layers")
+
+
 def register_helper(module_type: type[nn.Module], helper: type[LayerHelper]) -> None:
     """Support another module type (e.g. a BatchNorm Fisher block in a reproduction)."""
     _HELPERS[module_type] = helper
 
 
-def helper_for(module: nn.Module) -> LayerHelper | None:
-    """The helper for ``module``, or None when its type is not supported.
+def helper_for(module: nn.Module, name: str = "") -> LayerHelper | None:
+    """The helper for ``module`` (called ``name`` in the model, for messages), or None when
+    its type is not supported.
 
     Unsupported configurations of a supported type (e.g. grouped convolutions) warn and
     return None, so the layer is left first-order rather than preconditioned wrongly. So does
     a subclass of a supported type: its forward may differ from its base's (PyTorch's
     ``MultiheadAttention`` never calls its ``out_proj``), so it is supported only once
-    registered.
+    registered. A lazy one (``LazyLinear``) is refused (:func:`refuse_lazy`).
     """
     helper_type = _HELPERS.get(type(module))
     if helper_type is None:
         bases = [t for t in _HELPERS if isinstance(module, t)]
+        if bases:
+            refuse_lazy(name, module)
         weight = getattr(module, "weight", None)
         if bases and isinstance(weight, Tensor) and weight.requires_grad:
             kind = type(module).__name__
@@ -434,5 +449,5 @@ def helper_for(module: nn.Module) -> LayerHelper | None:
     try:
         return helper_type(module)
     except UnsupportedLayerError as err:
-        warnings.warn(str(err), stacklevel=3)
+        warnings.warn(f"{name}: {err}" if name else str(err), stacklevel=3)
         return None

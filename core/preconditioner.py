@@ -57,7 +57,7 @@ def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]], *,
         weight = getattr(module, "weight", None)
         if not isinstance(weight, Tensor) or not weight.requires_grad:
             continue
-        if helper_for(module) is not None:
+        if helper_for(module, name) is not None:
             found.append((name, module))
     if unmatched:
         warnings.warn(f"skip_layers rules {sorted(unmatched)} match no module name (they are "

@@ -102,3 +102,32 @@ def test_freezing_or_unfreezing_a_bias_later_keeps_training(make: type,
         assert bool(layer.weight.grad.isfinite().all())
         if not layer.bias.requires_grad:
             assert layer.bias.grad is None
+
+
+@pytest.mark.parametrize("make", [KFACPreconditioner, MKORPreconditioner, EvaPreconditioner,
+                                  BatchNormPreconditioner])
+def test_a_lazy_layer_is_refused_until_its_first_forward_pass(make: type) -> None:
+    """A ``LazyLinear`` or ``LazyBatchNorm2d`` has no shapes before its first forward pass: the
+    subclass warning advised registering it, which then failed inside PyTorch, and BatchNorm's
+    preconditioner failed the same way. Refused naming the layer and the fix; after one
+    forward pass (it becomes a plain ``Linear``) it is preconditioned."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.LazyBatchNorm2d(), nn.Flatten(),
+                          nn.LazyLinear(2))
+    lazy = "1 \\(LazyBatchNorm2d\\)" if make is BatchNormPreconditioner else "3 \\(LazyLinear\\)"
+    with pytest.raises(TypeError, match=f"{lazy} has uninitialized parameters: run one "
+                                        "forward pass"):
+        make(model)
+    model(torch.randn(1, 2, 5, 5))
+    names = [x.name for x in (make(model).blocks if make is BatchNormPreconditioner
+                              else make(model).layers)]
+    assert names == (["1"] if make is BatchNormPreconditioner else ["0", "3"])
+
+
+def test_an_unsupported_convolution_is_named_in_its_warning() -> None:
+    """Two grouped convolutions gave one identical warning that named neither (Python shows a
+    repeated text once)."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(4, 4, 3, groups=2))
+    with pytest.warns(UserWarning) as caught:
+        KFACPreconditioner(model)
+    texts = [str(w.message) for w in caught if "groups=2" in str(w.message)]
+    assert [t.split(":")[0] for t in texts] == ["0", "1"]
