@@ -143,7 +143,12 @@ class SecondOrderOptimizer:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Both states: ``{"name", "base", "preconditioner"}``."""
+        """Both states: ``{"name", "base", "preconditioner"}``.
+
+        The preconditioner's part is a copy; the base's is PyTorch's ``Optimizer.state_dict``,
+        whose tensors are the live state, which the next step updates in place: for an
+        in-memory checkpoint (a rollback without ``torch.save``), ``copy.deepcopy`` the result.
+        """
         return {
             "name": self.name,
             "base": self.base.state_dict(),
