@@ -337,7 +337,8 @@ class BatchNormPreconditioner:
                           else b.flatten() for b, shape in zip(batches, shapes, strict=True)]
                          + [torch.tensor([float(b is not None) for b in batches],
                                          device=device)])
-        self.communicator.all_reduce(flat, stage="bn_factor_comm")
+        with self.communicator.ledger.at_step(self.steps):
+            self.communicator.all_reduce(flat, stage="bn_factor_comm")
         counts = flat[-len(batches):].tolist()
         out: list[Tensor | None] = []
         offset = 0

@@ -374,6 +374,8 @@ class Rank1Preconditioner:
 
     def _end_step(self) -> None:
         self.steps += 1
+        # what moves before the next step() (the gradient all-reduce) belongs to it
+        self.communicator.ledger.step = self.steps
         self._capturing = self._update_due(self.steps)
         self.loss_scale.reset()
         self.timer.end_step()
@@ -419,6 +421,7 @@ class Rank1Preconditioner:
         self.steps = int(state["steps"])
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
         self.nonfinite_statistics_skips = int(state.get("nonfinite_statistics_skips", 0))
+        self.communicator.ledger.step = self.steps
         self._capturing = self._update_due(self.steps)
 
     def remove_hooks(self) -> None:

@@ -27,6 +27,8 @@ Averaged over the ranks, broadcast, all-gather and reduce-scatter each come to
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
@@ -111,6 +113,17 @@ class Ledger:
                             group_size, traffic_bytes)
         self.entries.append(entry)
         return entry
+
+    @contextmanager
+    def at_step(self, step: int) -> Iterator[None]:
+        """Tag what is recorded inside with ``step``, then restore the tag: for a
+        preconditioner that shares another's ledger and steps after it (BatchNorm's, after
+        K-FAC has moved the tag to its next step)."""
+        saved, self.step = self.step, step
+        try:
+            yield
+        finally:
+            self.step = saved
 
     def steps(self) -> list[int]:
         """Steps that have entries, ascending."""
