@@ -43,7 +43,8 @@ def add_wandb_argument(parser: argparse.ArgumentParser) -> None:
         "--wandb", choices=MODES, default="auto",
         help="Weights & Biases mode. auto (default): online when logged in (WANDB_API_KEY or "
              "a ~/.netrc entry for api.wandb.ai) and WANDB_MODE is not offline/disabled, "
-             "else offline (files under <out>/wandb, upload later with `wandb sync`); "
+             "else offline (files under wandb/ in the run's directory: --out, or --run-dir where "
+             "the command has one; upload later with `wandb sync`); "
              "disabled writes nothing.")
 
 

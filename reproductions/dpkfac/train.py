@@ -1,6 +1,7 @@
 """Does DP-KFAC keep MPD-KFAC's convergence? SGD, MPD-KFAC and DP-KFAC on Fashion-MNIST (D5).
 
     python -m reproductions.dpkfac.train                     # 4 local gloo workers, all three
+    python -m reproductions.dpkfac.train --out reproductions/dpkfac/results   # the committed D5
     python -m reproductions.dpkfac.train --optimizer dp-kfac --epochs 1 --workers 2
     torchrun --nproc_per_node=4 -m reproductions.dpkfac.train --optimizer mpd-kfac
 
@@ -384,8 +385,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="local gloo processes to start (ignored under torchrun)")
     parser.add_argument("--epochs", type=positive_int, help="override the config's epochs")
     parser.add_argument("--max-steps", type=positive_int, help="stop after this many steps")
-    parser.add_argument("--out", type=Path, default=HERE / "results",
-                        help="where results files go")
+    parser.add_argument("--out", type=Path, default=Path("runs") / PAPER / "results",
+                        help="where results files go (the committed D5 runs: "
+                        "--out reproductions/dpkfac/results)")
     parser.add_argument("--run-dir", type=Path, default=Path("runs") / PAPER,
                         help="checkpoints and W&B files")
     add_data_dir_argument(parser)

@@ -8,7 +8,13 @@ import pytest
 
 from reproductions.common.results import RunRecorder
 from reproductions.common.tables import load_tables
-from reproductions.dpkfac.tables import PAPER_CONVERGENCE, convergence_table, main
+from reproductions.dpkfac.tables import (
+    PAPER_CONVERGENCE,
+    build_parser,
+    convergence_table,
+    is_variant,
+    main,
+)
 from reproductions.dpkfac.validation import validate
 from reproductions.dpkfac.workloads import DP_KFAC, SCHEMES
 
@@ -86,3 +92,16 @@ def test_the_eigen_mpd_kfac_places_factors_as_its_code_does_by_default(
     assert eigen.options_for(layers, world_size) == {"assignment": "round-robin",
                                                      "colocate_factors": colocated}
     assert DP_KFAC.options_for(layers, world_size) == DP_KFAC.options
+
+
+@pytest.mark.parametrize("argv", [["--quick"], ["--models", "resnet50"], ["--world-size", "8"],
+                                  ["--inverse-method", "cholesky"], ["--alpha-us", "5"],
+                                  ["--no-validate"], ["--validate", "2"],
+                                  ["--results-dir", "elsewhere"], ["--device", "cuda"]])
+def test_only_the_paper_scale_defaults_write_the_committed_tables(argv: list[str]) -> None:
+    """``--quick`` (and every other variant) wrote over the committed results/tables.json
+    the docs are built from; only the defaults do now, and --output always wins."""
+    parser = build_parser()
+    assert not is_variant(parser.parse_args([]), parser)
+    assert not is_variant(parser.parse_args(["--output", "x.json"]), parser)
+    assert is_variant(parser.parse_args(argv), parser)

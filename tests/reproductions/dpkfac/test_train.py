@@ -106,3 +106,17 @@ def test_a_global_batch_larger_than_the_training_set_is_refused_in_one_line(
               "--out", str(tmp_path / "results"), "--run-dir", str(tmp_path / "run")])
     assert info.value.code == 2  # argparse's code for a bad setting
     assert "at most 30000 images per worker" in capsys.readouterr().err
+
+
+def test_results_go_to_runs_unless_out_names_the_committed_directory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's short example run (``--max-steps 100``) replaced the committed D5 results
+    file, its default ``--out``; results now go under runs/ by default."""
+    from reproductions.dpkfac import train
+
+    launched: list[tuple] = []
+    monkeypatch.setattr(train, "fashion_mnist", lambda **_: range(60_000))
+    monkeypatch.setattr(train, "run_local", lambda _run, _workers, *options:
+                        launched.append(options))
+    main(["--optimizer", "dp-kfac", "--workers", "2", "--max-steps", "100"])
+    assert launched[0][2] == Path("runs") / "dpkfac" / "results"
