@@ -20,6 +20,7 @@ with "paper" (the published numbers, null where the paper gives none), one whose
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -238,3 +239,28 @@ def load_tables(path: Path) -> tuple[str, list[Table]]:
         raise TablesError(f"{path}: needs a 'paper' string and a 'tables' list")
     tables = [Table.from_json(t, f"{path}: tables[{i}]") for i, t in enumerate(data["tables"])]
     return data["paper"], tables
+
+
+def tables_destination(args: argparse.Namespace, parser: argparse.ArgumentParser, *,
+                       output: str, committed: Path, paper: str,
+                       selectors: Sequence[str] = ()) -> Path:
+    """Where a ``tables`` command writes: the file the user chose; else the committed tables
+    (which the docs site is built from) when every option that changes what the tables hold
+    is at its default; else ``runs/<paper>/tables.json``, so that a quick or partial variant
+    never writes over the paper-scale tables.
+
+    Args:
+        args: The parsed command line.
+        parser: Its parser (for the defaults).
+        output: The destination of the output option, whose default must be None.
+        committed: The committed tables file.
+        paper: The reproduction's name (``runs/<paper>/``).
+        selectors: Options that choose which tables to rebuild, not what they hold (such as
+            ``sections``, where the others are kept), and options that change nothing in them.
+    """
+    chosen = getattr(args, output)
+    if chosen is not None:
+        return Path(chosen)
+    variant = any(value != parser.get_default(name) for name, value in vars(args).items()
+                  if name not in {*selectors, output})
+    return Path("runs") / paper / "tables.json" if variant else committed

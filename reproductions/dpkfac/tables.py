@@ -49,7 +49,7 @@ from reproductions.common.kernels import (
 )
 from reproductions.common.results import ResultsError, load_results
 from reproductions.common.shapes import LayerShape, Workload, layer_shapes
-from reproductions.common.tables import Table, write_tables
+from reproductions.common.tables import Table, tables_destination, write_tables
 from reproductions.common.timemodel import STAGES, AlphaBeta, stage_seconds
 from reproductions.dpkfac.sensitivity import sensitivity_table
 from reproductions.dpkfac.validation import Validation, validate
@@ -428,17 +428,6 @@ def convergence_table(results_dir: Path) -> Table:
             "final train loss", "train time (s)", "state"))], rows, notes)
 
 
-#: Where the tables of a run with any non-default option go unless ``--output`` says: not
-#: over the committed paper-scale tables that the docs are built from.
-VARIANT_OUTPUT = Path("runs") / "dpkfac" / "tables.json"
-
-
-def is_variant(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
-    """Whether any option (each changes what the tables hold) differs from its default."""
-    return any(getattr(args, name) != parser.get_default(name) for name in vars(args)
-               if name != "output")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command line (``--help``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -462,15 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the training results files are read from (D5)")
     parser.add_argument("--output", type=Path, default=None,
                         help="where the tables go (default: the committed results/tables.json "
-                        f"for the paper-scale defaults, {VARIANT_OUTPUT} for any variant)")
+                        "for the paper-scale defaults, runs/dpkfac/tables.json for any variant)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    output = args.output or (VARIANT_OUTPUT if is_variant(args, parser) else
-                             RESULTS_DIR / "tables.json")
+    output = tables_destination(args, parser, output="output",
+                                committed=RESULTS_DIR / "tables.json", paper="dpkfac")
 
     torch.set_num_threads(1)  # one worker's view; and eigh slows badly when oversubscribed
     start = time.perf_counter()

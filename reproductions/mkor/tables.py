@@ -42,7 +42,7 @@ from core.rank1 import BERT_DECODER_PATTERN
 from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import ResultsError, load_results
-from reproductions.common.tables import Table, update_tables
+from reproductions.common.tables import Table, tables_destination, update_tables
 from reproductions.mkor import cnn_study, frequency, rank1_error
 from reproductions.mkor.config import MODEL_PRESETS, load_config
 from reproductions.mkor.measure import (
@@ -417,10 +417,14 @@ def main(argv: list[str] | None = None) -> list[Table]:
                         help="K-FAC ranks simulated (evenly spread; the largest is reported)")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="tables to build (default: all); the others in --out are kept")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "tables.json",
+    parser.add_argument("--out", type=Path, default=None,
                         help="tables file to write (default: reproductions/mkor/results/"
-                             "tables.json)")
+                             "tables.json with the paper-scale defaults, runs/mkor/tables.json "
+                             "for any other option but --sections)")
     args = parser.parse_args(argv)
+    args.out = tables_destination(args, parser, output="out",
+                                  committed=RESULTS_DIR / "tables.json", paper="mkor",
+                                  selectors=("sections",))
     with exit_on_user_error(parser):
         return _build(args)
 

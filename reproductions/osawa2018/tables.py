@@ -43,7 +43,7 @@ from reproductions.common.cost import KernelRates
 from reproductions.common.kernels import Budget, measure_rates
 from reproductions.common.results import load_results
 from reproductions.common.shapes import LayerShape, Workload, layer_shapes, torchvision_model
-from reproductions.common.tables import Table, update_tables
+from reproductions.common.tables import Table, tables_destination, update_tables
 from reproductions.common.timemodel import AlphaBeta, stage_seconds
 from reproductions.osawa2018.config import CONFIG_DIR, load_config
 
@@ -459,9 +459,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--gpus", nargs="*", type=int, default=list(GPU_COUNTS),
                         help="GPU counts of O4 (each simulated; 4,096 takes about a minute)")
-    parser.add_argument("--write", type=Path, default=RESULTS / "tables.json",
+    parser.add_argument("--write", type=Path, default=None,
                         help="tables file to write (kfac-repro/tables/v1; the sections built "
-                             "replace theirs, the others are kept); '-' writes none")
+                             "replace theirs, the others are kept; default: the committed "
+                             "results/tables.json with the paper-scale defaults, "
+                             "runs/osawa2018/tables.json for any other option but --sections "
+                             "and --save-rates); '-' writes none")
     parser.add_argument("--rates", type=Path, default=None,
                         help="O5: kernel rates and forward/backward time per image from a file "
                              "(e.g. measured on a GPU); default: measure here (about 5 s)")
@@ -469,6 +472,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-rates", type=Path, default=None,
                         help="O5: write the rates used to this file (kfac-repro/kernel-rates/v1)")
     args = parser.parse_args(argv)
+    args.write = tables_destination(args, parser, output="write",
+                                    committed=RESULTS / "tables.json", paper="osawa2018",
+                                    selectors=("sections", "save_rates"))
     builders = {"O1": iterations_table, "O2": lambda: large_batch_table(args.results_dir),
                 "O3": hyperparameter_table,
                 "O4": lambda: communication_table(tuple(args.gpus)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ from reproductions.common.tables import (
     format_cell,
     load_tables,
     markdown_grid,
+    tables_destination,
     update_tables,
     write_tables,
 )
@@ -94,3 +96,24 @@ def test_load_names_the_file_and_field(tmp_path: Path) -> None:
 def test_format_cell_picks_the_range_of_the_value_as_shown(value: object, text: str) -> None:
     """The number of decimals follows the rounded value, so 0.9996 is not shown as "1"."""
     assert format_cell(value) == text
+
+
+def test_a_variant_or_partial_tables_run_never_writes_the_committed_file() -> None:
+    """Options that choose tables (``--sections``: the others are kept) leave the committed
+    file the destination; any option that changes what the tables hold sends them to
+    ``runs/<paper>/``; an output the user names always wins."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sections", nargs="+", default=["A", "B"])
+    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None)
+    committed = Path("reproductions/x/results/tables.json")
+
+    def destination(*argv: str) -> Path:
+        return tables_destination(parser.parse_args(argv), parser, output="out",
+                                  committed=committed, paper="x", selectors=("sections",))
+
+    assert destination() == committed
+    assert destination("--sections", "A") == committed
+    assert destination("--world-size", "8") == Path("runs/x/tables.json")
+    assert destination("--world-size", "64") == committed
+    assert destination("--world-size", "8", "--out", "mine.json") == Path("mine.json")

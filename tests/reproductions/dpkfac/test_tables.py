@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from reproductions.common.results import RunRecorder
-from reproductions.common.tables import load_tables
+from reproductions.common.tables import load_tables, tables_destination
 from reproductions.dpkfac.tables import (
     PAPER_CONVERGENCE,
+    RESULTS_DIR,
     build_parser,
     convergence_table,
-    is_variant,
     main,
 )
 from reproductions.dpkfac.validation import validate
@@ -102,6 +102,11 @@ def test_only_the_paper_scale_defaults_write_the_committed_tables(argv: list[str
     """``--quick`` (and every other variant) wrote over the committed results/tables.json
     the docs are built from; only the defaults do now, and --output always wins."""
     parser = build_parser()
-    assert not is_variant(parser.parse_args([]), parser)
-    assert not is_variant(parser.parse_args(["--output", "x.json"]), parser)
-    assert is_variant(parser.parse_args(argv), parser)
+
+    def destination(args: list[str]) -> Path:
+        return tables_destination(parser.parse_args(args), parser, output="output",
+                                  committed=RESULTS_DIR / "tables.json", paper="dpkfac")
+
+    assert destination([]) == RESULTS_DIR / "tables.json"
+    assert destination(["--output", "x.json", *argv]) == Path("x.json")
+    assert destination(argv) == Path("runs") / "dpkfac" / "tables.json"
