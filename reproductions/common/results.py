@@ -25,7 +25,7 @@ import os
 import platform
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -248,6 +248,40 @@ def load_results(path: Path) -> dict[str, Any]:
     except ResultsError as exc:
         raise ResultsError(f"{path}: {exc}") from None
     return data
+
+
+def check_comparable(runs: Sequence[tuple[Path, dict[str, Any]]], *, free: Iterable[str],
+                     compares: str) -> None:
+    """Refuse runs that a table would present as one comparison but were not made alike: an
+    unfinished run (its last steps missing), or one whose configuration differs from the
+    first run's in a field outside ``free`` (the fields the runs are meant to differ in, such
+    as the optimizer).
+
+    Args:
+        runs: ``(path, results)`` pairs, as :func:`load_results` read them.
+        free: Configuration fields allowed to differ.
+        compares: What the table compares, for the message (e.g. ``"M3"``).
+
+    Raises:
+        ResultsError: naming the file, the field and the fix.
+    """
+    free = set(free)
+    for path, run in runs:
+        if run.get("finished") is None:
+            raise ResultsError(f"{path}: an unfinished run; {compares} compares finished runs: "
+                               "resume it, or move it out of the results directory")
+    if not runs:
+        return
+    first_path, first = runs[0]
+    for path, run in runs[1:]:
+        keys = (set(first["config"]) | set(run["config"])) - free
+        for key in sorted(keys):
+            if first["config"].get(key) != run["config"].get(key):
+                raise ResultsError(
+                    f"{path}: made with {key}={run['config'].get(key)!r}, {first_path} with "
+                    f"{first['config'].get(key)!r}; {compares} compares runs of one "
+                    "configuration: rerun one of them alike, or keep the two in separate "
+                    "results directories")
 
 
 def _write_json_atomic(path: Path, data: Any) -> Path:

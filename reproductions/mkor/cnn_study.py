@@ -41,12 +41,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from core.config import ConfigError
 from core.optim import build_optimizer
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
 from reproductions.common.cli import exit_on_user_error, float_in, positive_int
 from reproductions.common.launch import seed_everything
-from reproductions.common.results import RunRecorder, load_results
+from reproductions.common.results import ResultsError, RunRecorder, check_comparable, load_results
 from reproductions.common.tables import Table
 from reproductions.osawa2018.models import small_resnet
 
@@ -355,13 +356,19 @@ def final_accuracy(run: Mapping[str, Any]) -> float | None:
 
 def load_study(results_dir: Path = RESULTS_DIR) -> dict[tuple[str, float], dict[str, Any]]:
     """The study's validated results under ``results_dir`` (not its sub-folders), by
-    ``(optimizer, lr)``."""
-    runs = {}
-    for path in sorted(Path(results_dir).glob("*.json")):
-        data = load_results(path)
-        if data["paper"] == "mkor" and data["experiment"] == EXPERIMENT:
-            runs[(data["optimizer"], float(data["config"]["lr"]))] = data
-    return runs
+    ``(optimizer, lr)``: finished runs of one configuration (but for the optimizer, its
+    preconditioner options, the learning rate and the target the run reported).
+
+    Raises:
+        ResultsError: a results file breaks its schema, a run is unfinished, or the runs'
+            configurations differ.
+    """
+    found = [(path, load_results(path)) for path in sorted(Path(results_dir).glob("*.json"))]
+    found = [(path, data) for path, data in found
+             if data["paper"] == "mkor" and data["experiment"] == EXPERIMENT]
+    check_comparable(found, free=("optimizer", "lr", "preconditioner", "target_accuracy"),
+                     compares="the CNN study (M5, M6)")
+    return {(data["optimizer"], float(data["config"]["lr"])): data for _, data in found}
 
 
 def study_target(runs: Mapping[Any, Mapping[str, Any]], target: float | None = None) -> float:
@@ -370,7 +377,8 @@ def study_target(runs: Mapping[Any, Mapping[str, Any]], target: float | None = N
         return target
     targets = {run["config"]["target_accuracy"] for run in runs.values()}
     if len(targets) != 1:
-        raise ValueError(f"the runs were made with targets {sorted(targets)}; pass one")
+        raise ConfigError("--target", None, f"one of the runs' targets {sorted(targets)} or "
+                          "another test accuracy in [0, 1]: the runs were made with several")
     return targets.pop()
 
 
@@ -517,13 +525,14 @@ def study_tables(results_dir: Path = RESULTS_DIR, *, target: float | None = None
         lrs: M6's learning-rate columns.
 
     Raises:
-        FileNotFoundError: ``results_dir`` holds no results of this study.
-        ResultsError: a results file does not follow the schema.
+        ResultsError: ``results_dir`` holds no results of this study, or results that are
+            not one study's (:func:`load_study`).
+        ConfigError: ``target`` is None and the runs were made with several.
     """
     runs = load_study(results_dir)
     if not runs:
-        raise FileNotFoundError(f"{results_dir}: no {EXPERIMENT} results; run "
-                                "`python -m reproductions.mkor.cnn_study` first")
+        raise ResultsError(f"{results_dir}: no {EXPERIMENT} results; run "
+                           "`python -m reproductions.mkor.cnn_study` first")
     goal = study_target(runs, target)
     try:
         source = f"`{Path(results_dir).resolve().relative_to(RESULTS_DIR.parents[3])}/`"

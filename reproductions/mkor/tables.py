@@ -41,7 +41,7 @@ import torch
 from core.rank1 import BERT_DECODER_PATTERN
 from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
-from reproductions.common.results import ResultsError, load_results
+from reproductions.common.results import ResultsError, check_comparable, load_results
 from reproductions.common.tables import Table, tables_destination, update_tables
 from reproductions.mkor import cnn_study, frequency, rank1_error
 from reproductions.mkor.config import MODEL_PRESETS, load_config
@@ -302,15 +302,34 @@ def memory_table(model_name: str, world_size: int, kfac_ranks: int,
 # ----------------------------------------------------------------------------------------------
 # M3 and M4: from results files, and the fine-tuning scripts
 
+#: Configuration fields in which the runs of one M3 comparison differ: which optimizer, the
+#: list the command ran and how often it checkpointed.
+RUN_SPECIFIC = ("optimizer", "optimizers", "checkpoint_every")
+
+
 def load_runs(results_dir: Path, experiment: str) -> list[dict[str, Any]]:
     """Validated results of ``experiment`` found under ``results_dir`` (any depth), in the
-    paper's optimizer order."""
-    runs = []
+    paper's optimizer order: finished, one per optimizer, made with one configuration.
+
+    Raises:
+        ResultsError: a results file breaks its schema, a run is unfinished or repeated, the
+            runs' configurations differ, or there is no LAMB run.
+    """
+    found: list[tuple[Path, dict[str, Any]]] = []
     for path in sorted(Path(results_dir).glob("**/*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
         if (isinstance(data, dict) and data.get("schema") == RESULTS_SCHEMA
                 and data.get("paper") == "mkor" and data.get("experiment") == experiment):
-            runs.append(load_results(path))
+            found.append((path, load_results(path)))
+    check_comparable(found, free=RUN_SPECIFIC, compares="M3")
+    seen: dict[str, Path] = {}
+    for path, run in found:
+        if run["optimizer"] in seen:
+            raise ResultsError(f"{path}: a second {run['optimizer']} run of experiment "
+                               f"{experiment!r} (the first: {seen[run['optimizer']]}); M3 "
+                               "compares one run per optimizer: move one away")
+        seen[run["optimizer"]] = path
+    runs = [run for _, run in found]
     if not any(run["optimizer"] == BASELINE for run in runs):
         found = ", ".join(sorted({r["optimizer"] for r in runs})) or "no runs"
         raise ResultsError(f"{results_dir}: no {BASELINE} run of experiment {experiment!r} "

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from core.config import ConfigError
 from data.errors import DataUnavailableError
 from data.fashion_mnist import fashion_mnist
-from reproductions.common.results import RunRecorder, load_results
+from reproductions.common.results import ResultsError, RunRecorder, load_results
 from reproductions.common.tables import Table
 from reproductions.mkor import cnn_study
 from reproductions.mkor.cnn_study import (
@@ -102,7 +103,7 @@ def fake_run(optimizer: str, lr: float, accuracies: list[float | None], *,
              target: float = 0.89) -> RunRecorder:
     """A hand-made results object: 10 steps per epoch, an evaluation every 5 steps with the
     given accuracies, every step taking ``step_seconds``."""
-    config = StudyConfig(epochs=len(accuracies) / 2, target_accuracy=target)
+    config = StudyConfig(epochs=3.0, target_accuracy=target)  # one configuration for all
     recorder = RunRecorder(paper="mkor", experiment="cnn_study", optimizer=optimizer, config={
         **asdict(config), "optimizer": optimizer, "lr": lr, "steps_per_epoch": 10,
         "train_examples_used": 60000, "test_examples_used": 10000})
@@ -165,3 +166,20 @@ def test_schedule_warms_up_then_decays_to_zero() -> None:
     assert max(rates) == pytest.approx(peak)
     assert all(a >= b for a, b in zip(rates[9:], rates[10:], strict=False))
     assert rates[-1] < 1e-3 * peak
+
+
+def test_the_tables_refuse_runs_of_another_configuration(tmp_path: Path) -> None:
+    """A width-4, 1-epoch SGD run beside a width-8, 3-epoch MKOR run was one comparison whose
+    notes described a single configuration; runs made for other targets are fine, and
+    without --target the tables ask for one in one line."""
+    fake_run("sgd", 0.1, [0.5, 0.9]).write(tmp_path / "sgd_lr0.1.json")
+    other = fake_run("mkor", 0.1, [0.8, 0.9])
+    other.data["config"]["target_accuracy"] = 0.5
+    other.write(tmp_path / "mkor_lr0.1.json")
+    with pytest.raises(ConfigError, match="--target"):
+        study_tables(tmp_path)
+    assert len(study_tables(tmp_path, target=0.8)) == 2
+    other.data["config"]["width"] += 4
+    other.write(tmp_path / "mkor_lr0.1.json")
+    with pytest.raises(ResultsError, match="made with width=8, .*mkor_lr0.1.json with 12"):
+        study_tables(tmp_path, target=0.8)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from core.preconditioner import discover_layers
+from reproductions.common.results import ResultsError
 from reproductions.common.tables import load_tables
 from reproductions.mkor import tables
 from reproductions.mkor.measure import linear_layer, measure_costs
@@ -134,3 +137,42 @@ def test_bad_options_end_in_one_line_and_write_nothing(
     assert info.value.code == status and not out.exists()
     err = capsys.readouterr().err
     assert "Traceback" not in err and says in err
+
+
+def _committed_runs(tmp_path: Path) -> Path:
+    """A copy of the committed default experiment's results files."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for path in (tables.RESULTS_DIR / "default").glob("*.json"):
+        (runs / path.name).write_text(path.read_text())
+    return runs
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    # a LAMB run of another length beside MKOR's: the notes said "identical batches"
+    (lambda run: run["config"].update(steps=run["config"]["steps"] - 1),
+     "mkor.json: made with steps="),
+    (lambda run: run.update(finished=None), "mkor.json: an unfinished run; M3 compares"),
+])
+def test_m3_refuses_runs_that_were_not_made_alike(
+        tmp_path: Path, change: Any, says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """M3 put a LAMB run of 4 steps beside an MKOR run of 6 as one comparison, and listed an
+    interrupted run as an ordinary row."""
+    runs = _committed_runs(tmp_path)
+    mkor = json.loads((runs / "mkor.json").read_text())
+    change(mkor)
+    (runs / "mkor.json").write_text(json.dumps(mkor))
+    with pytest.raises(SystemExit) as info:
+        tables.main(["--results", str(runs), "--sections", "M3",
+                     "--out", str(tmp_path / "t.json")])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_m3_refuses_two_runs_of_one_optimizer(tmp_path: Path) -> None:
+    runs = _committed_runs(tmp_path)
+    (runs / "again").mkdir()
+    (runs / "again" / "mkor.json").write_text((runs / "mkor.json").read_text())
+    with pytest.raises(ResultsError, match="a second mkor run of experiment 'default'"):
+        tables.load_runs(runs, "default")
