@@ -88,7 +88,8 @@ class OsawaConfig:
         optimizer: ``kfac`` (preconditioned heavy-ball momentum) or ``sgd`` (heavy-ball only).
         lr: Initial learning rate ``lr₀``.
         lr_decay_start_epoch: ``e_start`` of the polynomial decay.
-        lr_decay_end_epoch: ``e_end``; the decay uses ``max(epochs, e_end)`` as chainerkfac does.
+        lr_decay_end_epoch: ``e_end``; the decay uses ``max(epochs, e_end)``
+            (:attr:`lr_end_epoch`).
         lr_power: ``p`` of the polynomial decay.
         momentum: Base momentum ``m``.
         adjust_momentum: Scale ``m`` by ``lr_t/lr_{t-1}`` at steps where the rate fell.
@@ -207,7 +208,10 @@ class OsawaConfig:
 
     @property
     def lr_end_epoch(self) -> float:
-        """``max(epochs, lr_decay_end_epoch)``, where the rate reaches 0 (chainerkfac)."""
+        """``max(epochs, lr_decay_end_epoch)``, where the rate reaches 0. chainerkfac takes
+        ``max(epoch, polynomial_epoch)`` with its ``epoch`` field, which is ``epochs + 1``:
+        the same for every shipped ImageNet config (their ``e_end`` ≥ ``epochs + 1``); where
+        ``e_end < epochs + 1``, ours reaches 0 when training ends and theirs would not."""
         return max(self.epochs, self.lr_decay_end_epoch)
 
     def accumulation_steps(self, world_size: int) -> int:
