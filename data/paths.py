@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 from pathlib import Path
+
+from data.errors import DataUnavailableError
 
 DATA_DIR_ENV = "KFAC_DATA_DIR"
 """Environment variable that overrides the default cache directory."""
@@ -23,13 +26,18 @@ def data_root(override: str | Path | None = None) -> Path:
 
     The first of these that is set wins: ``override`` (typically a ``--data-dir`` flag), the
     ``KFAC_DATA_DIR`` environment variable, then ``<repo>/.cache/data``. The directory is not
-    created here; writers create the sub-directories they need.
+    created here; writers create the sub-directories they need. It is checked to be creatable,
+    so that a file in its place ends the command in one line (naming ``--data-dir``) instead
+    of a traceback from the first cache written.
 
     Args:
         override: An explicit directory, or None to fall back to the environment and default.
 
     Returns:
         The absolute cache directory, with ``~`` expanded.
+
+    Raises:
+        DataUnavailableError: the directory neither exists nor can be created.
     """
     if override is not None and str(override) != "":
         chosen = Path(override)
@@ -37,7 +45,47 @@ def data_root(override: str | Path | None = None) -> Path:
         chosen = Path(os.environ[DATA_DIR_ENV])
     else:
         chosen = REPO_ROOT / ".cache" / "data"
-    return chosen.expanduser().resolve()
+    root = chosen.expanduser().resolve()
+    problem = directory_problem(root)
+    if problem is not None:
+        raise DataUnavailableError(f"the data cache directory {root} ({problem})",
+                                   f"pass --data-dir (or set {DATA_DIR_ENV} to) a directory "
+                                   "that exists or can be created")
+    return root
+
+
+def directory_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a directory on this machine: a file (or a broken link) in its
+    place or in a parent's, or a nearest existing parent that cannot be written to.
+
+    Checked without creating anything, so an entry point can refuse an output or cache
+    directory before any work (an existing directory is accepted as it is: a cache may be
+    read-only once built).
+
+    Args:
+        path: The directory.
+
+    Returns:
+        The reason, naming the path at fault, or None when ``path`` is a directory or can be
+        created.
+    """
+    for candidate in (path, *path.parents):
+        try:
+            mode = candidate.stat().st_mode
+        except FileNotFoundError:
+            if candidate.is_symlink():
+                return f"{candidate} is a broken link"
+            continue
+        except NotADirectoryError:  # a parent is a file: found further up
+            continue
+        except OSError as exc:
+            return f"{candidate}: {exc.strerror}"
+        if not stat.S_ISDIR(mode):
+            return f"{candidate} is not a directory"
+        if candidate != path and not os.access(candidate, os.W_OK | os.X_OK):
+            return f"{candidate} is not writable"
+        return None
+    return None
 
 
 def add_data_dir_argument(parser: argparse.ArgumentParser) -> None:

@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         0 when every requested cache is ready, 1 when a data source is unavailable or
-        damaged (one line naming it and the fix).
+        damaged, or the cache directory cannot be created (one line naming it and the fix).
     """
     parser = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__)
     add_data_dir_argument(parser)
@@ -112,15 +112,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     chosen = list(PACKAGES) if args.only == "all" else [args.only]
-    install_packages(missing_packages([p for name in chosen for p in PACKAGES[name]]))
     builders = {"fashion-mnist": build_fashion_mnist, "text": build_text}
     try:
+        root = data_root(args.data_dir)  # a cache directory that cannot be made: before apt
+        install_packages(missing_packages([p for name in chosen for p in PACKAGES[name]]))
         for name in chosen:
             builders[name](args.data_dir)
     except (DataUnavailableError, CorruptDataError) as exc:
         print(f"data.prepare: {exc}", file=sys.stderr)
         return 1
-    print(f"data.prepare: ready in {data_root(args.data_dir)}")
+    print(f"data.prepare: ready in {root}")
     return 0
 
 

@@ -79,6 +79,13 @@ from core.layers import helper_for  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
 from core.preconditioner import discover_layers  # noqa: E402
 from core.rank1 import BERT_DECODER_PATTERN  # noqa: E402
+from reproductions.common.cli import (  # noqa: E402
+    device_name,
+    exit_on_user_error,
+    positive_int,
+    read_json_file,
+    resolve_device,
+)
 
 MB = 2**20
 INTERVALS = (1, 10, 100)
@@ -1254,7 +1261,8 @@ def bf16_autocast(device: torch.device) -> Iterator[None]:
         yield
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``--help``); counts and the device are checked when parsed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="tiny models and kernel sizes: a smoke run of seconds")
@@ -1262,11 +1270,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"default: {' '.join(FULL)} (--quick: {' '.join(QUICK)})")
     parser.add_argument("--methods", nargs="+", choices=[m.name for m in METHODS],
                         default=[m.name for m in METHODS])
-    parser.add_argument("--intervals", nargs="+", type=int, default=list(INTERVALS))
-    parser.add_argument("--rounds", type=int, help="timed rounds per method (default: per "
-                        "workload; each is one update and two plain steps)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--intervals", nargs="+", type=positive_int, default=list(INTERVALS),
+                        help="steps per second-order update the results are amortized over")
+    parser.add_argument("--rounds", type=positive_int, help="timed rounds per method (default: "
+                        "per workload; each is one update and two plain steps)")
+    parser.add_argument("--device", type=device_name,
+                        default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, auto, cuda or cuda:N (default: cuda when there is one)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch threads (default 1)")
     parser.add_argument("--no-autocast", action="store_true",
                         help="on a GPU, run the forward and backward in fp32")
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
@@ -1288,19 +1300,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--peer-mkor", type=float, default=6.6)
     parser.add_argument("--peer-bert-dpkfac", type=float, default=1.26)
     parser.add_argument("--peer-bert-mkor", type=float, default=1.19)
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print its markdown tables, and return (and optionally write) them."""
-    args = parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.reamortize is not None:
-        out = reamortize(json.loads(args.reamortize.read_text()), args.intervals)
+        with exit_on_user_error(parser):
+            saved = read_json_file(args.reamortize, "--reamortize")
+        out = reamortize(saved, args.intervals)
         print(tables_markdown({k: out["tables"][k] for k in ("results", "bounds", "targets")}))
         write_json(args.json, out)
         return out
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     clock = Clock(device)
     use_autocast = device.type == "cuda" and not args.no_autocast
     names = args.workloads or (QUICK if args.quick else FULL)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from core.config import ConfigError
+from core.config import ConfigError, check_choice
 from reproductions.common.errors import USER_ERRORS, WorkerError
 
 
@@ -85,17 +85,17 @@ def init_distributed(device: str = "auto") -> DistContext:
         The :class:`DistContext`.
 
     Raises:
-        ValueError: an unknown ``device`` or a malformed torchrun variable.
-        RuntimeError: ``device="cuda"`` on a machine without CUDA.
+        ConfigError: an unknown ``device``, or ``"cuda"`` on a machine without CUDA (the entry
+            points report it in one line).
+        ValueError: a malformed torchrun variable.
     """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    check_choice("device", device, ("auto", "cpu", "cuda"))
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was requested but CUDA is not available here")
+        raise ConfigError("device", device, "cpu or auto: no CUDA device here")
     if use_cuda:
         torch.cuda.set_device(local_rank)
         chosen = torch.device("cuda", local_rank)

@@ -32,6 +32,13 @@ from statistics import mean
 import torch
 
 from core.distributed import SimulationReport, simulate
+from reproductions.common.cli import (
+    device_name,
+    exit_on_user_error,
+    float_in,
+    int_at_least,
+    resolve_device,
+)
 from reproductions.common.cost import (
     DECOMPOSITION_FLOPS_PER_N3,
     FLOPS_PER_MAC,
@@ -434,18 +441,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="ResNet-50 only, P = 8, tiny timing budget, no gloo validation")
     parser.add_argument("--models", nargs="+", choices=[w.key for w in WORKLOADS])
-    parser.add_argument("--world-size", type=int, default=None, help="P (default 64; quick 8)")
+    parser.add_argument("--world-size", type=int_at_least(2), default=None,
+                        help="P, at least 2 (default 64; quick 8)")
     parser.add_argument("--inverse-method", choices=sorted(DECOMPOSITION_FLOPS_PER_N3),
                         default="eigen", help="decomposition of every scheme (eigen: KAISA's "
                         "default and DP-KFAC's eigen_dp)")
-    parser.add_argument("--device", default="cpu", help="where kernels are timed")
-    parser.add_argument("--alpha-us", type=float, default=INFINIBAND_100G.alpha_s * 1e6,
-                        help="network latency per message step (µs)")
-    parser.add_argument("--bandwidth-gbit", type=float,
+    parser.add_argument("--device", type=device_name, default="cpu",
+                        help="where kernels are timed: cpu, auto, cuda or cuda:N")
+    parser.add_argument("--alpha-us", type=float_in(0.0), default=INFINIBAND_100G.alpha_s * 1e6,
+                        help="network latency per message step (µs, >= 0)")
+    parser.add_argument("--bandwidth-gbit", type=float_in(0.0, low_inclusive=False),
                         default=INFINIBAND_100G.bandwidth * 8 / 1e9,
-                        help="link bandwidth (Gb/s)")
-    parser.add_argument("--validate", nargs="+", type=int, default=None, metavar="P",
-                        help="gloo world sizes for D4v (default 2 4; none in --quick)")
+                        help="link bandwidth (Gb/s, > 0)")
+    parser.add_argument("--validate", nargs="+", type=int_at_least(2), default=None,
+                        metavar="P",
+                        help="gloo world sizes for D4v, each at least 2 (default 2 4; none in "
+                             "--quick)")
     parser.add_argument("--no-validate", action="store_true", help="skip D4v")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
                         help="where the training results files are read from (D5)")
@@ -456,24 +467,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Build and write the tables; a bad option or results file exits with one line."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    output = tables_destination(args, parser, output="output",
-                                committed=RESULTS_DIR / "tables.json", paper="dpkfac")
+    with exit_on_user_error(parser):
+        _build(args, tables_destination(args, parser, output="output",
+                                        committed=RESULTS_DIR / "tables.json", paper="dpkfac"))
 
+
+def _network(args: argparse.Namespace) -> AlphaBeta:
+    """The network of D4: the paper's unless ``--alpha-us`` or ``--bandwidth-gbit`` changed it."""
+    network = INFINIBAND_100G
+    if (args.alpha_us, args.bandwidth_gbit) == (network.alpha_s * 1e6,
+                                                network.bandwidth * 8 / 1e9):
+        return network
+    return AlphaBeta(args.alpha_us * 1e-6, args.bandwidth_gbit * 1e9 / 8,
+                     f"α = {args.alpha_us:g} µs, β = {args.bandwidth_gbit:g} Gb/s")
+
+
+def _build(args: argparse.Namespace, output: Path) -> None:
+    """The body of :func:`main`: simulate, time and validate, then write ``output``."""
     torch.set_num_threads(1)  # one worker's view; and eigh slows badly when oversubscribed
     start = time.perf_counter()
-    world_size = args.world_size or (8 if args.quick else 64)
+    world_size = args.world_size if args.world_size is not None else 8 if args.quick else 64
     keys = args.models or (["resnet50"] if args.quick else [w.key for w in WORKLOADS])
     validate_sizes = ([] if args.no_validate else args.validate if args.validate is not None
                       else [] if args.quick else [2, 4])
     budget = QUICK_BUDGET if args.quick else Budget()
-    kernels = KernelTimes(args.inverse_method, budget, torch.device(args.device))
-    network = INFINIBAND_100G
-    if (args.alpha_us, args.bandwidth_gbit) != (network.alpha_s * 1e6,
-                                                network.bandwidth * 8 / 1e9):
-        network = AlphaBeta(args.alpha_us * 1e-6, args.bandwidth_gbit * 1e9 / 8,
-                            f"α = {args.alpha_us:g} µs, β = {args.bandwidth_gbit:g} Gb/s")
+    kernels = KernelTimes(args.inverse_method, budget, resolve_device(args.device))
+    network = _network(args)
     results = []
     for key in keys:
         work = workload(key)
@@ -494,7 +516,6 @@ def main(argv: list[str] | None = None) -> None:
         print()
         print(table.markdown())
     print(f"\nWrote {output} in {time.perf_counter() - start:.0f} s.")
-
 
 if __name__ == "__main__":
     main()

@@ -46,7 +46,7 @@ from reproductions.common.checkpoint import (
     require_same_config,
     save_checkpoint,
 )
-from reproductions.common.cli import exit_on_user_error, positive_int
+from reproductions.common.cli import exit_on_user_error, positive_int, writable_directory
 from reproductions.common.launch import (
     DistContext,
     cleanup,
@@ -277,8 +277,8 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     rows = slice(ctx.rank * config.batch_size, (ctx.rank + 1) * config.batch_size)
 
     def checkpoint(at: int) -> None:
-        if ctx.is_main:
-            recorder.write(out_file)
+        """Save step ``at``, then the results so far: should the results file fail to be
+        written, the steps are not lost with it."""
         save_checkpoint(checkpoints, at, {
             "step": at, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "precond": None if precond is None else precond.state_dict(),
@@ -287,6 +287,8 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
             "precond_stage_time": {} if precond is None else dict(precond.timer.totals),
             "results": recorder.data if ctx.is_main else None,
             "config": recorder.data["config"]})
+        if ctx.is_main:
+            recorder.write(out_file)
 
     progress = tqdm(total=total, initial=step, desc=name, disable=not ctx.is_main,
                     mininterval=5.0)
@@ -394,6 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     add_wandb_argument(parser)
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
+        writable_directory(args.out, "--out")
+        writable_directory(args.run_dir, "--run-dir")
         config = TrainConfig.from_file(args.config)
         overrides = {k: v for k, v in (("epochs", args.epochs), ("max_steps", args.max_steps))
                      if v is not None}

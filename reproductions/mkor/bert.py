@@ -47,7 +47,12 @@ from reproductions.common.checkpoint import (
     require_same_config,
     save_checkpoint,
 )
-from reproductions.common.cli import exit_on_user_error, positive_int
+from reproductions.common.cli import (
+    device_name,
+    exit_on_user_error,
+    positive_int,
+    writable_directory,
+)
 from reproductions.common.launch import (
     DistContext,
     cleanup,
@@ -123,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop-after", type=positive_int, metavar="N", dest="stop_after",
                         help="stop each run after N steps of this invocation, with a "
                              "checkpoint (for wall-time-limited jobs; continue with --resume)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    parser.add_argument("--device", type=device_name, choices=("auto", "cpu", "cuda"),
+                        default="auto",
                         help="compute device (auto: the local GPU under torchrun, else CPU)")
     parser.add_argument("--threads", type=positive_int, metavar="N",
                         help="CPU threads of this process (default: torch's, all cores; one "
@@ -597,6 +603,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = build_parser()
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
+        writable_directory(args.out, "--out")
         return _compare(build_config(args), args)
 
 

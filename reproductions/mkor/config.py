@@ -49,6 +49,15 @@ def _check_strings(name: str, value: Any) -> None:
         raise ConfigError(name, value, "a non-empty list of strings")
 
 
+def _check_distinct(name: str, value: list[str]) -> None:
+    """Raise :class:`ConfigError` if an item of ``value`` repeats (an optimizer listed twice
+    would run twice into one run directory)."""
+    repeated = sorted({item for item in value if value.count(item) > 1})
+    if repeated:
+        raise ConfigError(name, value, "distinct names, each listed once: "
+                          + ", ".join(f"{item!r}" for item in repeated) + " more than once")
+
+
 def _help(text: str, default: Any = MISSING, factory: Any = MISSING) -> Any:
     """A dataclass field carrying its help text (shown by ``--help`` and the README)."""
     if factory is not MISSING:
@@ -148,6 +157,7 @@ class PretrainConfig:
         _check_strings("optimizers", self.optimizers)
         for name in self.optimizers:
             check_choice("optimizers", name, OPTIMIZERS)
+        _check_distinct("optimizers", self.optimizers)
         check_choice("base", self.base, FIRST_ORDER)
         if not isinstance(self.preconditioner, dict):
             raise ConfigError("preconditioner", self.preconditioner,

@@ -36,7 +36,7 @@ from reproductions.common.checkpoint import (
     require_same_config,
     save_checkpoint,
 )
-from reproductions.common.cli import float_in, positive_int
+from reproductions.common.cli import device_name, float_in, positive_int
 from reproductions.common.launch import init_distributed, seed_everything
 from reproductions.common.results import RunRecorder, load_results
 from reproductions.common.rng import capture_rng_state, restore_rng_state
@@ -82,7 +82,8 @@ def add_finetune_arguments(parser: argparse.ArgumentParser, *, lr: float, epochs
                         help="stop after this many steps of this invocation, checkpointed "
                              "(wall-time-limited jobs; continue with --resume)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+    parser.add_argument("--device", type=device_name, choices=("auto", "cpu", "cuda"),
+                        default="auto",
                         help="compute device (default: the GPU when there is one)")
     add_wandb_argument(parser)
 

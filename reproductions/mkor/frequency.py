@@ -32,13 +32,15 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from core.config import KFACConfig
+from core.mkor import MKORConfig
 from reproductions.common.cli import exit_on_user_error, positive_int
 from reproductions.common.launch import DistContext, seed_everything
 from reproductions.common.results import ResultsError, git_revision, hardware_info, utc_now
@@ -288,8 +290,8 @@ def frequency_table(results: dict[str, Any], frequencies: Sequence[int] = FREQUE
         value = table.get(method, {}).get(kind)
         return "?" if value is None else f"{value * 1e3:,.0f} ms"
 
-    kfac_opts = config.get("preconditioner", {}).get("kfac", {})
-    mkor_opts = config.get("preconditioner", {}).get("mkor", {})
+    kfac_opts = with_defaults(KFACConfig, config.get("preconditioner", {}).get("kfac", {}))
+    mkor_opts = with_defaults(MKORConfig, config.get("preconditioner", {}).get("mkor", {}))
     shape = MODEL_PRESETS.get(config.get("model", ""), {})
     widest = (shape.get("intermediate_size", 0) + 1) if shape else "?"
     notes = (
@@ -316,11 +318,11 @@ def frequency_table(results: dict[str, Any], frequencies: Sequence[int] = FREQUE
         "iteration at interval f = (T_update + (f − 1) T_plain) / f; ratio = that / LAMB's "
         f"step.{_fastest_check(results)} K-FAC updates factors and inverses together "
         "every f steps (the default config has both at "
-        f"{kfac_opts.get('inv_update_steps', '?')}; KAISA's options: damping "
-        f"{kfac_opts.get('damping', '?')}, {kfac_opts.get('inverse_method', '?')} "
-        f"decomposition, factor decay {kfac_opts.get('factor_decay', '?')}); MKOR with "
-        f"{mkor_opts.get('inverse_dtype', 'float32')} inverse factors, "
-        f"{mkor_opts.get('update_rule', '?')} update rule. What differs from the paper and "
+        f"{kfac_opts['inv_update_steps']}; KAISA's options: damping "
+        f"{kfac_opts['damping']}, {kfac_opts['inverse_method']} "
+        f"decomposition, factor decay {kfac_opts['factor_decay']}); MKOR with "
+        f"{mkor_opts['inverse_dtype'] or 'float32'} inverse factors, "
+        f"{mkor_opts['update_rule']} update rule. What differs from the paper and "
         "why: a CPU, not A100s (no GPU here), so the dense products of the forward and backward "
         f"pass weigh relatively more; a {shape.get('num_hidden_layers', '?')}-layer, "
         f"{shape.get('hidden_size', '?')}-wide BERT, not BERT-Large (the size the default run "
@@ -338,6 +340,14 @@ def frequency_table(results: dict[str, Any], frequencies: Sequence[int] = FREQUE
                  "ours: KAISA (K-FAC) s per iteration", "ours: KAISA / LAMB",
                  "ours: MKOR s per iteration", "ours: MKOR / LAMB", "ours: KAISA / MKOR"],
         rows=rows, notes=notes)
+
+
+def with_defaults(config_type: type, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` completed with the defaults of the other fields of ``config_type`` (a
+    preconditioner's config dataclass): a config file holds only the options it changes, and
+    the notes name the ones the run used."""
+    defaults = {f.name: f.default for f in fields(config_type) if f.default is not MISSING}
+    return {**defaults, **options}
 
 
 def _fastest_check(results: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import BertForSequenceClassification, DataCollatorWithPadding
 
 from data.errors import CorruptDataError, DataUnavailableError
-from reproductions.common.cli import exit_on_user_error
+from reproductions.common.cli import exit_on_user_error, writable_directory
 from reproductions.mkor.finetune import add_finetune_arguments, fine_tune, load_pretrained
 
 
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_finetune_arguments(parser, lr=2e-5, epochs=3, batch_size=32, max_seq_len=128)
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
+        writable_directory(args.out, "--out")
         return _fine_tune_task(TASKS[args.task], args)
 
 

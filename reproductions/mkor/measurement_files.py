@@ -18,7 +18,7 @@ import torch
 
 from data.atomic import atomic_path
 from data.paths import add_data_dir_argument
-from reproductions.common.cli import positive_int
+from reproductions.common.cli import device_name, positive_int
 from reproductions.common.results import ResultsError
 from reproductions.common.tables import Table, read_schema_file
 from reproductions.mkor.config import PretrainConfig, load_config
@@ -69,7 +69,7 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override the config's corpus (e.g. a small .txt file)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="CPU threads (default 1)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", type=device_name, choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=None,
                         help="results file (default: the measurement's results/ folder, "
                              "<experiment>.json)")

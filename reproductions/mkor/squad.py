@@ -28,11 +28,15 @@ from datasets import Dataset
 from torch import nn
 from transformers import BertForQuestionAnswering, default_data_collator
 
+from core.config import ConfigError
 from data.errors import CorruptDataError, DataUnavailableError
-from reproductions.common.cli import exit_on_user_error, positive_int
+from reproductions.common.cli import exit_on_user_error, positive_int, writable_directory
 from reproductions.mkor.finetune import add_finetune_arguments, fine_tune, load_pretrained
 
 MAX_ANSWER_TOKENS = 30
+
+PAIR_SPECIAL_TOKENS = 3
+"""The tokens BERT adds to a (question, context) pair: ``[CLS] question [SEP] context [SEP]``."""
 
 
 def read_squad(path: Path) -> list[dict[str, Any]]:
@@ -82,10 +86,40 @@ def exact_match_and_f1(prediction: str, answers: list[str]) -> tuple[float, floa
     return exact, max(f1(a) for a in answers)
 
 
+def check_doc_stride(stride: int, max_len: int, question_tokens: int = 0) -> None:
+    """Check that consecutive context windows, which share ``stride`` context tokens, each
+    bring new ones: a window of ``max_len`` tokens holds the special tokens, the question and
+    ``max_len - question_tokens - 3`` context tokens, more than ``stride``. (The tokenizer
+    stops with an error or a Rust panic otherwise, after the model was loaded.)
+
+    Args:
+        stride: ``--doc-stride``.
+        max_len: ``--max-seq-len``.
+        question_tokens: The longest question's tokens (0 before the data is read).
+
+    Raises:
+        ConfigError: ``stride`` is not below that room (named as ``--doc-stride``).
+    """
+    room = max_len - question_tokens - PAIR_SPECIAL_TOKENS
+    if stride >= room:
+        beside = (f" beside the longest question ({question_tokens} tokens)" if question_tokens
+                  else "")
+        raise ConfigError("--doc-stride", stride,
+                          f"fewer than the {room} context tokens a window of --max-seq-len "
+                          f"{max_len} holds{beside}")
+
+
 def windows(tokenizer: Any, questions: list[dict[str, Any]], max_len: int,
             stride: int) -> dict[str, list]:
     """Tokenised (question, context window) pairs, with each window's example index and
-    offsets (None outside the context)."""
+    offsets (None outside the context).
+
+    Raises:
+        ConfigError: ``stride`` leaves a window beside the longest question no new context
+            (:func:`check_doc_stride`).
+    """
+    asked = tokenizer([q["question"] for q in questions], add_special_tokens=False)
+    check_doc_stride(stride, max_len, max(len(ids) for ids in asked["input_ids"]))
     encoded = tokenizer([q["question"] for q in questions], [q["context"] for q in questions],
                         truncation="only_second", max_length=max_len, stride=stride,
                         return_overflowing_tokens=True, return_offsets_mapping=True,
@@ -154,6 +188,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="tokens shared by consecutive context windows (default 128)")
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
+        writable_directory(args.out, "--out")
+        check_doc_stride(args.doc_stride, args.max_seq_len)
         return _fine_tune_squad(args)
 
 

@@ -29,8 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.config import ConfigError
 from reproductions.common.checkpoint import require_same_config
-from reproductions.common.cli import exit_on_user_error
+from reproductions.common.cli import (
+    exit_on_user_error,
+    positive_int,
+    read_json_file,
+    writable_directory,
+)
 from reproductions.common.results import ResultsError, load_results
 from reproductions.osawa2018.config import CONFIG_DIR, load_config
 from reproductions.osawa2018.tables import large_batch_table
@@ -57,13 +63,30 @@ class StudyRun:
         return command + ["--set", *settings]
 
 
+def _run_settings(study: dict[str, Any], optimizer: str, batch: int) -> dict[str, Any]:
+    """The study's overrides of ``optimizer`` at ``batch``.
+
+    Raises:
+        ConfigError: the study has no runs of ``optimizer`` (named as ``--optimizers``) or
+            none at ``batch`` (named as ``--batch-sizes``, with the sizes it has).
+    """
+    runs = study["runs"]
+    if optimizer not in runs:
+        raise ConfigError("--optimizers", optimizer,
+                          f"an optimizer of the study: {', '.join(runs)}")
+    if str(batch) not in runs[optimizer]:
+        raise ConfigError("--batch-sizes", batch, f"a batch size of the study's {optimizer} "
+                          f"runs: {', '.join(runs[optimizer])}")
+    return runs[optimizer][str(batch)]
+
+
 def plan(study: dict[str, Any], *, quick: bool, batch_sizes: list[int] | None = None,
          optimizers: list[str] | None = None) -> tuple[str, list[StudyRun]]:
     """The study's name and runs, validated against the train configuration.
 
     Raises:
-        KeyError: a batch size or optimizer without settings in ``runs``.
-        ConfigError: a run's configuration is invalid (checked before anything starts).
+        ConfigError: a batch size or optimizer without settings in ``runs``, or a run's
+            configuration is invalid (checked before anything starts).
     """
     name = study["quick"]["name"] if quick else study["name"]
     common = {**study["common"], **(study["quick"]["common"] if quick else {})}
@@ -73,7 +96,7 @@ def plan(study: dict[str, Any], *, quick: bool, batch_sizes: list[int] | None = 
         for batch in sizes:
             overrides = {**common, "name": name, "optimizer": optimizer, "batch_size": batch,
                          "micro_batch_size": min(batch, study["max_micro_batch"]),
-                         **study["runs"][optimizer][str(batch)]}
+                         **_run_settings(study, optimizer, batch)}
             load_config(study["base"], overrides)
             runs.append(StudyRun(f"{optimizer}_bs{batch}", study["base"], overrides))
     return name, runs
@@ -151,10 +174,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="study config file")
     parser.add_argument("--quick", action="store_true",
                         help="the quick subset (two batch sizes, short)")
-    parser.add_argument("--batch-sizes", nargs="*", type=int, default=None,
-                        help="only these batch sizes")
+    parser.add_argument("--batch-sizes", nargs="*", type=positive_int, default=None,
+                        help="only these batch sizes (of the study's)")
     parser.add_argument("--optimizers", nargs="*", choices=("kfac", "sgd"), default=None)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    parser.add_argument("--jobs", type=positive_int, default=2,
+                        help="runs at a time (one thread each)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "osawa2018" / "study",
                         help="where runs write checkpoints, logs and results")
     parser.add_argument("--results-dir", type=Path, default=None,
@@ -165,13 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", default=None, help="cache directory of the built-in data")
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
-        study = json.loads(args.study.read_text())
+        study = read_json_file(args.study, "--study")
         name, runs = plan(study, quick=args.quick, batch_sizes=args.batch_sizes,
                           optimizers=args.optimizers)
-        out_root = args.out / name
+        out_root = writable_directory(args.out / name, "--out")
+        results_dir = writable_directory(args.results_dir or RESULTS_ROOT / name,
+                                         "--results-dir")
         failed = execute(runs, out_root, jobs=args.jobs, wandb=args.wandb,
                          data_dir=args.data_dir)
-        results_dir = args.results_dir or RESULTS_ROOT / name
         collect(runs, out_root, results_dir)
         print(large_batch_table(results_dir).markdown())
     if failed:

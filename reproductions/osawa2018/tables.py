@@ -35,13 +35,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import KFACConfig
+from core.config import ConfigError, KFACConfig
 from core.distributed import Communicator, SimulationReport, make_strategy, simulate
 from core.distributed.ledger import Ledger, LedgerEntry
 from core.preconditioner import build_layers
+from reproductions.common.cli import (
+    device_name,
+    exit_on_user_error,
+    positive_int,
+    read_error,
+    resolve_device,
+)
 from reproductions.common.cost import KernelRates
 from reproductions.common.kernels import Budget, measure_rates
-from reproductions.common.results import load_results
+from reproductions.common.results import ResultsError, load_results
 from reproductions.common.shapes import LayerShape, Workload, layer_shapes, torchvision_model
 from reproductions.common.tables import Table, tables_destination, update_tables
 from reproductions.common.timemodel import AlphaBeta, stage_seconds
@@ -137,12 +144,12 @@ def large_batch_table(results_dir: Path) -> Table:
     """O2: epochs and iterations to the target, and final accuracy, per batch and optimizer.
 
     Raises:
-        FileNotFoundError: ``results_dir`` holds no results file.
+        ResultsError: ``results_dir`` holds no results file (or a damaged one).
     """
     files = sorted(Path(results_dir).glob("*.json"))
     if not files:
-        raise FileNotFoundError(f"{results_dir}: no results files; run "
-                                "`python -m reproductions.osawa2018.study` first")
+        raise ResultsError(f"{results_dir}: no results files; run "
+                           "`python -m reproductions.osawa2018.study` first")
     by_batch: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
     targets, epochs, widths, evals, unfinished = set(), set(), set(), set(), []
     for path in files:
@@ -428,23 +435,39 @@ def breakdown_table(rates: KernelRates, origin: str, gpu_counts: tuple[int, ...]
 SECTIONS = ("O1", "O2", "O3", "O4", "O5")
 
 
+def read_rates(path: Path) -> KernelRates:
+    """The kernel-rates file ``--rates`` names.
+
+    Raises:
+        ConfigError: missing, unreadable, not JSON or not a kernel-rates file (named as
+            ``--rates``, with why).
+    """
+    try:
+        return KernelRates.load(path)
+    except (OSError, ValueError) as exc:  # JSON and field errors are ValueErrors
+        raise ConfigError("--rates", str(path), f"a kernel-rates file ({read_error(exc)})"
+                          ) from None
+
+
 def o5_rates(args: argparse.Namespace) -> tuple[KernelRates, str]:
     """O5's rates and where they come from: read from ``--rates``, or measured on ``--device``
     (one thread on a CPU: one worker's view); written to ``--save-rates`` when given.
 
     Raises:
-        ValueError: the rates file is for another model or decomposition.
+        ConfigError: the rates file cannot be read, is not one, or is for another model or
+            decomposition (named as ``--rates``).
     """
     method = RECIPE_OPTIONS["inverse_method"]
     workload = f"{RESNET50.key}@{RESNET50.image_size}"
     if args.rates is not None:
-        rates, origin = KernelRates.load(args.rates), f"read from `{args.rates.name}`"
+        rates, origin = read_rates(args.rates), f"read from `{args.rates.name}`"
         if (rates.workload, rates.method) != (workload, method):
-            raise ValueError(f"{args.rates}: rates for {rates.workload} / {rates.method}, "
-                             f"O5 needs {workload} / {method}")
+            raise ConfigError("--rates", str(args.rates),
+                              f"rates for {workload} / {method}, which O5 needs (the file "
+                              f"holds {rates.workload} / {rates.method})")
     else:
         torch.set_num_threads(1)
-        rates = measure_rates(RESNET50, method, Budget(), torch.device(args.device))
+        rates = measure_rates(RESNET50, method, Budget(), resolve_device(args.device))
         origin = "measured on this machine"
     if args.save_rates is not None:
         rates.save(args.save_rates)
@@ -457,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS,
                         help="directory of the study's results files (O2)")
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS))
-    parser.add_argument("--gpus", nargs="*", type=int, default=list(GPU_COUNTS),
+    parser.add_argument("--gpus", nargs="*", type=positive_int, default=list(GPU_COUNTS),
                         help="GPU counts of O4 (each simulated; 4,096 takes about a minute)")
     parser.add_argument("--write", type=Path, default=None,
                         help="tables file to write (kfac-repro/tables/v1; the sections built "
@@ -468,13 +491,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rates", type=Path, default=None,
                         help="O5: kernel rates and forward/backward time per image from a file "
                              "(e.g. measured on a GPU); default: measure here (about 5 s)")
-    parser.add_argument("--device", default="cpu", help="O5: where rates are measured")
+    parser.add_argument("--device", type=device_name, default="cpu",
+                        help="O5: where rates are measured (cpu, auto, cuda or cuda:N)")
     parser.add_argument("--save-rates", type=Path, default=None,
                         help="O5: write the rates used to this file (kfac-repro/kernel-rates/v1)")
     args = parser.parse_args(argv)
     args.write = tables_destination(args, parser, output="write",
                                     committed=RESULTS / "tables.json", paper="osawa2018",
                                     selectors=("sections", "save_rates"))
+    with exit_on_user_error(parser):
+        _build(args)
+
+
+def _build(args: argparse.Namespace) -> None:
+    """The body of :func:`main`: build the chosen sections, print them, update the file."""
     builders = {"O1": iterations_table, "O2": lambda: large_batch_table(args.results_dir),
                 "O3": hyperparameter_table,
                 "O4": lambda: communication_table(tuple(args.gpus)),

@@ -46,7 +46,7 @@ from reproductions.common.checkpoint import (
     require_same_config,
     save_checkpoint,
 )
-from reproductions.common.cli import exit_on_user_error, positive_int
+from reproductions.common.cli import exit_on_user_error, positive_int, writable_directory
 from reproductions.common.launch import (
     DistContext,
     cleanup,
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
         config = load_config(args.config, dict(parse_override(s) for s in args.set))
-        out = Path(args.out or Path("runs") / PAPER / config.name)
+        out = writable_directory(Path(args.out or Path("runs") / PAPER / config.name), "--out")
         run(config, out=out, data_dir=args.data_dir, folder=args.image_folder,
             resume=args.resume, max_steps=args.max_steps,
             checkpoint_every=args.checkpoint_every, wandb=args.wandb,

@@ -62,3 +62,20 @@ def test_damaged_data_exits_1_in_one_line(
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("data.prepare: ")
     assert "train-images-idx3-ubyte.gz" in err
+
+
+def test_a_data_dir_that_cannot_be_created_exits_1_in_one_line(
+    tiny_fashion_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A regular file in the place of --data-dir ended in a NotADirectoryError traceback from
+    the first cache written."""
+    monkeypatch.setattr(prepare, "missing_packages", lambda packages: [])
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    assert prepare.main(["--only", "fashion-mnist", "--data-dir", str(blocked / "d")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"{blocked} is not a directory" in err and "Fix: pass --data-dir" in err

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from core.layers import Conv2dHelper
 from scripts import bench
+from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
 
 
 def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
@@ -362,3 +364,23 @@ def test_each_measured_method_is_saved_before_the_run_ends(
     assert rows[0]["step_s"] == next(r for r in final["rows"]
                                      if r["method"] == "kfac-inverse")["step_s"]
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically, nothing left over
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--device", "foo"], "--device"),  # torch's RuntimeError
+    (["--device", "cuda"], "--device"),  # "Found no NVIDIA driver", on a machine without CUDA
+    (["--intervals", "0"], "--intervals"),  # ZeroDivisionError after measuring
+    (["--intervals", "10", "-1"], "--intervals"),
+    (["--rounds", "0"], "--rounds"),  # statistics.StatisticsError after measuring
+    (["--threads", "0"], "--threads"),  # torch's RuntimeError
+    (["--reamortize", "/nonexistent/run.json"], "--reamortize"),  # FileNotFoundError
+    (["--reamortize", __file__], "--reamortize"),  # JSONDecodeError
+])
+def test_bad_options_end_in_one_line_before_measuring(
+        argv: list[str], option: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each option is checked when parsed: argparse's exit, status 2, one line naming it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    never_measured = mock.patch.object(bench, "measure_rates", side_effect=Parsed)
+    outcome, stderr = invoke(bench.main, ["--quick", "--in-process", *argv], never_measured)
+    assert_clear_error(outcome, stderr, set())
+    assert option in stderr.strip().splitlines()[-1]

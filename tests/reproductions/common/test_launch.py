@@ -37,6 +37,18 @@ def test_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
         init_distributed(device="cpu")
 
 
+def test_cuda_without_cuda_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was a RuntimeError, which the entry points' one-line error handling let through as
+    a traceback; a ConfigError names the option and the fix."""
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"invalid device='cuda': expected cpu or auto: no CUDA"):
+        init_distributed(device="cuda")
+    with pytest.raises(ConfigError, match="device"):
+        init_distributed(device="tpu")
+
+
 def test_seed_everything_repeats() -> None:
     seed_everything(7)
     first = (random.random(), torch.rand(2).tolist())
@@ -161,6 +173,9 @@ def test_workers_do_not_outlive_the_launcher(tmp_path: Path) -> None:
 
     with pytest.raises(TimeoutError):
         run_local(_sleep_forever, 2, timeout=3)
+    deadline = time.monotonic() + 30  # killed, and gone once the kernel has reaped them
+    while [c for c in mp.active_children() if c.is_alive()] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not [c for c in mp.active_children() if c.is_alive()]
     if not sys.platform.startswith("linux"):
         return

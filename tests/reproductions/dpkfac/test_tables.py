@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from reproductions.common.results import RunRecorder
 from reproductions.common.tables import load_tables, tables_destination
@@ -17,6 +18,7 @@ from reproductions.dpkfac.tables import (
 )
 from reproductions.dpkfac.validation import validate
 from reproductions.dpkfac.workloads import DP_KFAC, SCHEMES
+from tests.reliability.test_bad_input import assert_clear_error, invoke
 
 
 def test_quick_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,9 +100,11 @@ def test_the_eigen_mpd_kfac_places_factors_as_its_code_does_by_default(
                                   ["--inverse-method", "cholesky"], ["--alpha-us", "5"],
                                   ["--no-validate"], ["--validate", "2"],
                                   ["--results-dir", "elsewhere"], ["--device", "cuda"]])
-def test_only_the_paper_scale_defaults_write_the_committed_tables(argv: list[str]) -> None:
+def test_only_the_paper_scale_defaults_write_the_committed_tables(
+        argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """``--quick`` (and every other variant) wrote over the committed results/tables.json
     the docs are built from; only the defaults do now, and --output always wins."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device cuda parses
     parser = build_parser()
 
     def destination(args: list[str]) -> Path:
@@ -110,3 +114,27 @@ def test_only_the_paper_scale_defaults_write_the_committed_tables(argv: list[str
     assert destination([]) == RESULTS_DIR / "tables.json"
     assert destination(["--output", "x.json", *argv]) == Path("x.json")
     assert destination(argv) == Path("runs") / "dpkfac" / "tables.json"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--world-size", "1"],            # ZeroDivisionError in the simulation
+    ["--world-size", "-4"],           # ValueError deep in the strategies
+    ["--world-size", "0"],            # silently the default P = 64
+    ["--bandwidth-gbit", "0"],        # ZeroDivisionError in the time model
+    ["--bandwidth-gbit", "-5"],       # tables of "—"
+    ["--alpha-us", "nan"],
+    ["--alpha-us", "-1"],
+    ["--device", "foo"],              # RuntimeError when the kernels were timed
+    ["--device", "cuda"],             # "Found no NVIDIA driver"
+    ["--quick", "--validate", "0"],   # IndexError in the gloo validation
+    ["--validate", "2", "1"],
+])
+def test_bad_options_end_in_one_line_before_any_work(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option is checked when parsed: a bad value exits with argparse's one line naming
+    it, before a model is simulated or a kernel timed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    outcome, stderr = invoke(main, ["--quick", *argv, "--output", str(tmp_path / "t.json"),
+                                    "--results-dir", str(tmp_path)])
+    assert_clear_error(outcome, stderr, set())
+    assert argv[-2] in stderr.strip().splitlines()[-1]

@@ -11,7 +11,7 @@ import pytest
 
 from reproductions.common.checkpoint import list_checkpoints
 from reproductions.common.results import load_results
-from reproductions.dpkfac.train import DEFAULT_CONFIG, TrainConfig, batch_indices, main
+from reproductions.dpkfac.train import DEFAULT_CONFIG, TrainConfig, batch_indices, main, run
 
 
 def test_default_config_file_is_the_dataclass_default() -> None:
@@ -120,3 +120,33 @@ def test_results_go_to_runs_unless_out_names_the_committed_directory(
                         launched.append(options))
     main(["--optimizer", "dp-kfac", "--workers", "2", "--max-steps", "100"])
     assert launched[0][2] == Path("runs") / "dpkfac" / "results"
+
+
+@pytest.mark.parametrize("option", ["--out", "--run-dir"])
+def test_a_directory_that_cannot_be_created_is_refused_before_training(
+        option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A regular file in the place of --out trained the run, then failed with a traceback in
+    its first checkpoint; now it is refused (status 2, one line) before anything runs."""
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    dirs = {"--out": str(tmp_path / "results"), "--run-dir": str(tmp_path / "run"),
+            option: str(blocked)}
+    with pytest.raises(SystemExit) as info:
+        main(["--optimizer", "sgd", "--workers", "1", "--max-steps", "3", "--wandb",
+              "disabled", *(x for item in dirs.items() for x in item)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"invalid {option}='{blocked}'" in err.strip().splitlines()[-1]
+
+
+def test_the_checkpoint_is_saved_before_the_results_file(tmp_path: Path) -> None:
+    """The results file was written first: when it could not be, the steps since the last
+    checkpoint (up to 200) were lost with it."""
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    with pytest.raises(OSError):
+        run(["sgd"], TrainConfig(test_examples=100, max_steps=3), blocked, tmp_path / "run",
+            None, "disabled")
+    saved = list_checkpoints(tmp_path / "run" / "checkpoints" / "fashion_mnist-sgd" / "rank0")
+    assert [p.name for p in saved] == ["checkpoint-000000002.pt"]

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
 from reproductions.common.launch import run_local
 from reproductions.common.results import load_results
 from reproductions.common.tracking import read_offline_history
 from reproductions.mkor import bert
 from reproductions.mkor.config import field_help
+from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
 
 OPTIMIZERS = ["lamb", "kfac", "mkor", "mkor-h", "eva"]
 
@@ -93,11 +96,37 @@ def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bad_overrides_name_the_field(run_args: list[str],
                                       capsys: pytest.CaptureFixture[str]) -> None:
     for extra, field in ((["--set", "lerning_rate=0.1"], "lerning_rate"),
-                         (["--optimizers", "lamb,adam"], "optimizers")):
+                         (["--optimizers", "lamb,adam"], "optimizers"),
+                         (["--optimizers", "lamb,lamb"], "optimizers")):  # ran LAMB twice
         with pytest.raises(SystemExit) as info:  # argparse's exit: status 2, one line
             bert.main([*run_args, *extra])
         assert info.value.code == 2
         assert f"error: invalid {field}" in capsys.readouterr().err
+
+
+def test_cuda_without_cuda_ends_in_one_line(run_args: list[str], monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device cuda`` on a machine without CUDA was a RuntimeError traceback from
+    init_distributed; argparse refuses it now."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        bert.main([*run_args, "--device", "cuda"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].endswith(
+        "error: argument --device: 'cuda': no CUDA device here; use cpu")
+
+
+def test_an_out_that_cannot_be_created_is_refused_before_training(run_args: list[str],
+                                                                    tmp_path: Path) -> None:
+    """A regular file in the place of --out ended in a traceback once a run wrote to it."""
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    never_run = mock.patch.object(bert, "_compare", side_effect=Parsed)
+    outcome, stderr = invoke(bert.main, [*run_args, "--out", str(blocked)], never_run)
+    assert_clear_error(outcome, stderr, set())
+    assert f"invalid --out='{blocked}'" in stderr and "is not a directory" in stderr
 
 
 @pytest.mark.distributed

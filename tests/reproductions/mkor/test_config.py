@@ -73,6 +73,13 @@ def test_errors_name_the_field(overrides: dict, field: str) -> None:
     assert info.value.field_name == field
 
 
+def test_an_optimizer_listed_twice_is_refused() -> None:
+    """``--optimizers lamb,lamb`` ran LAMB twice into the same run directory."""
+    with pytest.raises(ConfigError, match=r"invalid optimizers=\['lamb', 'mkor', 'lamb'\]: "
+                                          r"expected distinct names, .*'lamb' more than once"):
+        apply_overrides(load_config("tiny"), {"optimizers": ["lamb", "mkor", "lamb"]})
+
+
 def test_accumulation_must_divide() -> None:
     config = PretrainConfig(batch_size=32, micro_batch_size=8)
     assert config.accumulation_steps(1) == 4 and config.accumulation_steps(4) == 1

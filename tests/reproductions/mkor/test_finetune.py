@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from reproductions.common.checkpoint import checkpoint_step, list_checkpoints
@@ -144,8 +145,8 @@ def test_finetuning_refuses_a_missing_model_in_one_line(
     """No directory, or one without a tokenizer and weights: status 1, naming it and the fix."""
     (tmp_path / "empty").mkdir()
     for model in (tmp_path / "nonexistent", tmp_path / "empty"):
-        for entry in (glue, squad):
-            task = ["--task", "rte"] if entry is glue else []
+        for entry in (glue, squad):  # (a stride that fits squad's 32-token windows)
+            task = ["--task", "rte"] if entry is glue else ["--doc-stride", "8"]
             with pytest.raises(SystemExit) as info:
                 entry.main([*task, *common_args(tmp_path, model, tmp_path / "o")])
             assert info.value.code == 1
@@ -173,6 +174,37 @@ def test_finetuning_refuses_numbers_out_of_range(option: str, value: str, says: 
         assert info.value.code == 2
         assert f"argument {option}: {says}" in one_error_line(capsys,
                                                              f"python -m {entry.__name__}")
+
+
+def test_finetuning_refuses_cuda_without_cuda_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """``--device cuda`` passed argparse and failed with a traceback once the model and data
+    were loaded; now argparse refuses it (status 2, one line) before anything is read."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for entry in (glue, squad):
+        task = ["--task", "rte"] if entry is glue else []
+        with pytest.raises(SystemExit) as info:
+            entry.main([*task, *common_args(tmp_path, tmp_path / "model", tmp_path / "o"),
+                        "--device", "cuda"])
+        assert info.value.code == 2
+        assert "argument --device: 'cuda': no CUDA device here" in one_error_line(
+            capsys, f"python -m {entry.__name__}")
+
+
+def test_finetuning_refuses_an_out_that_cannot_be_created_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A regular file in the place of --out ended in a traceback once the run wrote to it;
+    now it is refused (status 2, one line) before the model is loaded."""
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    for entry in (glue, squad):
+        task = ["--task", "rte"] if entry is glue else []
+        with pytest.raises(SystemExit) as info:
+            entry.main([*task, *common_args(tmp_path, tmp_path / "model", blocked)])
+        assert info.value.code == 2
+        line = one_error_line(capsys, f"python -m {entry.__name__}")
+        assert f"invalid --out='{blocked}'" in line and "is not a directory" in line
 
 
 def test_finetuning_refuses_a_sequence_longer_than_the_models_positions(
@@ -235,6 +267,34 @@ def test_squad(model_dir: Path, tmp_path: Path) -> None:
                           "8"])
     assert results["experiment"] == "squad-v1.1" and len(results["evals"]) == 2
     assert 0 <= results["summary"]["exact_match"] <= results["summary"]["f1"] <= 100
+
+
+def test_squad_refuses_a_stride_as_long_as_the_window_up_front(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--max-seq-len 128 with the default --doc-stride 128 loaded the model, then failed in the
+    tokenizer with a traceback; now it ends in one line before anything is loaded."""
+    with pytest.raises(SystemExit) as info:
+        squad.main([*common_args(tmp_path, tmp_path / "model", tmp_path / "o"),
+                    "--max-seq-len", "128"])
+    assert info.value.code == 2
+    line = one_error_line(capsys, "python -m reproductions.mkor.squad")
+    assert "invalid --doc-stride=128: expected fewer than the 125 context tokens" in line
+
+
+def test_squad_refuses_a_stride_the_longest_question_leaves_no_room_for(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A stride below --max-seq-len - 3 may still not fit beside a question: the tokenizer's
+    ValueError was a traceback; now one line names --doc-stride and the question's length."""
+    squad_dir = tmp_path / "squad"
+    squad_dir.mkdir()
+    for name in ("train-v1.1.json", "dev-v1.1.json"):
+        squad_file(squad_dir / name)
+    with pytest.raises(SystemExit) as info:
+        squad.main([*common_args(squad_dir, model_dir, tmp_path / "o"), "--doc-stride", "25"])
+    assert info.value.code == 2
+    line = one_error_line(capsys, "python -m reproductions.mkor.squad")
+    assert "invalid --doc-stride=25: expected fewer than the " in line
+    assert "beside the longest question" in line
 
 
 def test_squad_scoring_and_spans(model_dir: Path, tmp_path: Path) -> None:

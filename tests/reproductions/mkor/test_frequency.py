@@ -8,6 +8,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from reproductions.common.tables import Table
 from reproductions.mkor import frequency
 from reproductions.mkor.bert import prepare_examples
 from reproductions.mkor.config import load_config
+from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
 
 
 def fake_results(lamb: float = 1.0, kfac: tuple[float, float] = (3.0, 1.1),
@@ -64,6 +66,17 @@ def test_table_rows_and_ratios() -> None:
     for needle in ("Fig. 3.4a", "CPU", "one process", "(T_update + (f − 1) T_plain) / f"):
         assert needle in table.notes
     table.markdown()
+
+
+def test_the_notes_name_the_preconditioners_defaults() -> None:
+    """A config file holds only the options it changes (tiny.json: K-FAC's damping and
+    intervals, MKOR's interval): the notes read "? decomposition, factor decay ?" and
+    "? update rule" for the rest; they give the defaults the run used now."""
+    results = {**fake_results(), "config": load_config("tiny").to_dict()}
+    notes = frequency.frequency_table(results).notes
+    assert "damping 0.003, eigen decomposition, factor decay 0.95)" in notes
+    assert "MKOR with float32 inverse factors, exact update rule" in notes
+    assert "? decomposition" not in notes and "? update rule" not in notes
 
 
 def test_timing_config_sets_only_the_intervals() -> None:
@@ -133,3 +146,14 @@ def test_the_committed_results_build_the_table(capsys: pytest.CaptureFixture[str
     assert "load_average" in results["hardware_start"]
     frequency.main(["--from-results", str(frequency.DEFAULT_RESULTS)])
     assert "| 200 |" in capsys.readouterr().out
+
+
+def test_cuda_without_cuda_ends_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cuda`` was accepted and failed in torch ("Found no NVIDIA driver") once the
+    data and model were loaded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    never_measured = mock.patch.object(frequency, "run_measurement", side_effect=Parsed)
+    outcome, stderr = invoke(frequency.main, ["--config", "tiny", "--device", "cuda"],
+                             never_measured)
+    assert_clear_error(outcome, stderr, set())
+    assert "--device: 'cuda': no CUDA device here" in stderr

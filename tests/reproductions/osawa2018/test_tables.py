@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -12,11 +13,13 @@ from torch import nn
 
 from reproductions.common.checkpoint import CheckpointError
 from reproductions.common.cost import KernelRates
+from reproductions.common.results import ResultsError
 from reproductions.common.shapes import LayerShape
 from reproductions.common.tables import load_tables
 from reproductions.common.timemodel import AlphaBeta
-from reproductions.osawa2018 import tables
+from reproductions.osawa2018 import study, tables
 from reproductions.osawa2018.study import StudyRun, finished, plan
+from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
 
 #: ResNet-50's K-FAC factors as packed upper triangles, and its trainable parameters
 #: (KFAC_MATH.md "Facts to check against"; BatchNorm adds 53,120 parameters).
@@ -79,7 +82,7 @@ def test_large_batch_table_reads_the_committed_study_results(tmp_path: Path) -> 
     final = table.column("ours: K-FAC final (%)") + table.column("ours: SGD final (%)")
     assert all(isinstance(v, float) and 50 < v <= 100 for v in final)
     assert table.notes and "Not the paper's experiment" in table.notes
-    with pytest.raises(FileNotFoundError, match="study"):
+    with pytest.raises(ResultsError, match="study"):  # a user error, reported in one line
         tables.large_batch_table(tmp_path)
     tables.main(["--sections", "O1", "O2", "--write", str(tmp_path / "t.json")])
     paper, written = load_tables(tmp_path / "t.json")
@@ -99,6 +102,64 @@ def test_study_plan_builds_valid_runs() -> None:
     command = StudyRun("x", "fmnist_default", {"lr": 0.1, "name": "n"}).command(
         Path("out"), "disabled", None)
     assert command[-3:] == ["--set", "lr=0.1", 'name="n"']
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--jobs", "0"], "--jobs"),  # hung: the scheduling loop never started a run
+    (["--batch-sizes", "100"], "256, 512, 1024"),  # KeyError: names the study's sizes
+    (["--optimizers", "kfac", "--batch-sizes", "256", "100"], "--batch-sizes"),
+    (["--study", "/nonexistent/study.json"], "--study"),  # FileNotFoundError
+    (["--study", str(Path(__file__))], "--study"),  # not JSON
+])
+def test_study_refuses_bad_options_in_one_line(argv: list[str], needle: str,
+                                               tmp_path: Path) -> None:
+    """Every option is checked before a run starts; a bad one ends the study with one line."""
+    never_run = mock.patch.object(study, "execute", side_effect=Parsed)
+    outcome, stderr = invoke(study.main, [*argv, "--out", str(tmp_path / "runs"),
+                                          "--results-dir", str(tmp_path / "results")], never_run)
+    assert_clear_error(outcome, stderr, set())
+    assert needle in stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--sections", "O4", "--gpus", "0"], "argument --gpus: 0 is not >= 1"),  # ValueError
+    (["--sections", "O4", "--gpus", "-8"], "argument --gpus: -8 is not >= 1"),
+    (["--sections", "O5", "--rates", "/nonexistent/rates.json"],  # FileNotFoundError
+     "invalid --rates='/nonexistent/rates.json': expected a kernel-rates file (No such file"),
+    (["--sections", "O5", "--rates", __file__], "(not JSON: "),  # JSONDecodeError
+])
+def test_tables_refuse_bad_options_in_one_line(argv: list[str], needle: str) -> None:
+    """Each ended in a traceback; now argparse's exit, status 2, one line naming the option."""
+    never_measured = mock.patch.object(tables, "measure_rates", side_effect=Parsed)
+    outcome, stderr = invoke(tables.main, [*argv, "--write", "-"], never_measured)
+    assert_clear_error(outcome, stderr, set())
+    assert needle in stderr.strip().splitlines()[-1]
+
+
+def test_tables_report_a_missing_results_dir_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sections O2 --results-dir DIR`` without results files: a FileNotFoundError traceback;
+    now status 1 and one line naming the directory and the command that fills it."""
+    with pytest.raises(SystemExit) as info:
+        tables.main(["--sections", "O2", "--results-dir", str(tmp_path / "none"), "--write", "-"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"{tmp_path / 'none'}: no results files" in err
+    assert "python -m reproductions.osawa2018.study" in err
+
+
+@pytest.mark.parametrize("device", ["cuda", "foo"])
+def test_tables_refuse_a_device_this_machine_lacks(device: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cuda`` without CUDA ("Found no NVIDIA driver") and a name torch cannot parse
+    ended O5 in a traceback; argparse refuses them before anything is built."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    never_measured = mock.patch.object(tables, "measure_rates", side_effect=Parsed)
+    outcome, stderr = invoke(tables.main, ["--sections", "O5", "--device", device,
+                                           "--write", "-"], never_measured)
+    assert_clear_error(outcome, stderr, set())
+    assert "argument --device: " in stderr.strip().splitlines()[-1]
 
 
 def test_a_finished_run_is_reused_only_with_the_studys_settings(tmp_path: Path) -> None:
@@ -197,8 +258,10 @@ def test_tables_cli_prints_o5_with_rates_from_a_file(tmp_path: Path,
     assert "read from `rates.json`" in written[0].notes
     (tmp_path / "other.json").write_text(json.dumps(
         {**json.loads(rates.read_text()), "workload": "resnet18@224"}))
-    with pytest.raises(ValueError, match="O5 needs resnet50@224"):
-        tables.main(["--sections", "O5", "--rates", str(tmp_path / "other.json"), "--write", "-"])
+    outcome, stderr = invoke(tables.main, ["--sections", "O5", "--rates",
+                                           str(tmp_path / "other.json"), "--write", "-"])
+    assert_clear_error(outcome, stderr, set())
+    assert "expected rates for resnet50@224" in stderr
     (tmp_path / "bad.json").write_text(json.dumps(
         {**json.loads(rates.read_text()), "gemm_flops": 0}))
     with pytest.raises(ValueError, match="gemm_flops"):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -18,10 +19,12 @@ from data.fashion_mnist import fashion_mnist
 from data.image_folder import make_tiny_image_folder
 from reproductions.common.checkpoint import checkpoint_step, list_checkpoints
 from reproductions.common.results import load_results
+from reproductions.osawa2018 import train
 from reproductions.osawa2018.config import load_config
 from reproductions.osawa2018.sampling import StreamBatchSampler, StreamExamples
 from reproductions.osawa2018.train import main, run
 from reproductions.osawa2018.trainer import OsawaTrainer
+from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -204,3 +207,30 @@ def test_two_gloo_processes_with_the_osawa_strategy_match_one_process(tmp_path: 
     rank1 = torch.load(list_checkpoints(tmp_path / "gloo" / "checkpoints" / "rank-1")[-1],
                        weights_only=True)["trainer"]["model"]
     assert all(torch.equal(rank1[k], v) for k, v in gloo.items())
+
+
+def test_an_out_that_cannot_be_created_is_refused_before_training(tmp_path: Path) -> None:
+    """A regular file in the place of --out ended in a FileExistsError traceback from the W&B
+    tracker, after the data and the model were loaded."""
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    never_run = mock.patch.object(train, "run", side_effect=Parsed)
+    for out in (blocked, blocked / "run"):
+        outcome, stderr = invoke(main, ["--out", str(out), "--wandb", "disabled"], never_run)
+        assert_clear_error(outcome, stderr, set())
+        assert f"--out='{out}'" in stderr and f"{blocked} is not a directory" in stderr
+
+
+def test_a_data_dir_that_cannot_be_created_ends_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It ended in a NotADirectoryError traceback from the first cache written."""
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(tmp_path / "out"), "--data-dir", str(blocked), "--max-steps", "1",
+              "--wandb", "disabled", "--no-progress"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"error: the data cache directory {blocked} ({blocked} is not a directory) is not " \
+           "available. Fix: pass --data-dir" in err.strip().splitlines()[-1]
