@@ -189,17 +189,19 @@ def make_scheduler(cfg: PretrainConfig, optimizer: SecondOrderOptimizer
     """Linear warm-up over ``warmup * steps``, then polynomial or linear decay.
 
     ``poly`` is NVIDIA's BERT schedule (``PolyWarmUpScheduler``), which the MKOR code's phase-2
-    recipe uses: with ``p = step / steps``, ``p / warmup`` during the warm-up and
-    ``(1 − p)^power`` after it, the decay measured from the start of training (so the rate
-    steps down where the warm-up ends). transformers' polynomial schedule measures it from the
-    end of the warm-up instead, 7% higher for the rest of BERT-Large's phase 2.
+    recipe uses: with ``p = (k + 1) / steps`` at update ``k`` (counted from 0: NVIDIA's
+    scheduler steps before the optimizer, so the first update is not at rate 0),
+    ``p / warmup`` during the warm-up and ``(1 − p)^power`` after it, the decay measured from
+    the start of training (so the rate steps down where the warm-up ends). transformers'
+    polynomial schedule measures it from the end of the warm-up instead, 7% higher for the
+    rest of BERT-Large's phase 2. ``linear`` is transformers' (rate 0 at update 0).
     """
     warmup = round(cfg.warmup * cfg.steps)
     if cfg.schedule == "poly":
         fraction, total, power = cfg.warmup, cfg.steps, cfg.poly_power
 
         def nvidia_poly(step: int) -> float:
-            progress = step / total
+            progress = (step + 1) / total
             if progress < fraction:
                 return progress / fraction
             return max(1.0 - progress, 0.0) ** power

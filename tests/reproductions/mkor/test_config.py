@@ -27,6 +27,7 @@ def test_paper_phase2_settings() -> None:
     assert (config.model, config.seq_len, config.batch_size, config.steps) == (
         "bert-large", 512, 32768, 1563)
     assert (config.lr, config.warmup, config.weight_decay) == (4e-3, 0.128, 0.01)
+    assert config.precision == "fp16"  # the official config's fp16 (auto is bf16 on A100)
     assert config.preconditioner["kfac"]["factor_update_steps"] == 50
     assert config.preconditioner["kfac"]["inv_update_steps"] == 50
     # KAISA's default: factors built and all-reduced in the backward hooks (valid options)
