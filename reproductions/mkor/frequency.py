@@ -41,7 +41,7 @@ from torch import nn
 
 from core.config import KFACConfig
 from core.mkor import MKORConfig
-from reproductions.common.cli import exit_on_user_error, positive_int
+from reproductions.common.cli import exit_on_user_error, int_at_least, positive_int
 from reproductions.common.launch import DistContext, seed_everything
 from reproductions.common.results import ResultsError, git_revision, hardware_info, utc_now
 from reproductions.common.tables import Table
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> Table:
     add_measurement_arguments(parser)
     parser.add_argument("--repeats", type=positive_int, default=25,
                         help="rounds kept per method (default 25)")
-    parser.add_argument("--warmup", type=int, default=3,
+    parser.add_argument("--warmup", type=int_at_least(0), default=3,
                         help="rounds discarded first (default 3)")
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):

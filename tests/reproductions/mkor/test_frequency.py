@@ -157,3 +157,12 @@ def test_cuda_without_cuda_ends_in_one_line(monkeypatch: pytest.MonkeyPatch) -> 
                              never_measured)
     assert_clear_error(outcome, stderr, set())
     assert "--device: 'cuda': no CUDA device here" in stderr
+
+
+def test_a_negative_warmup_ends_in_one_line() -> None:
+    """``--warmup -2`` was accepted (rounds discarded: a negative count)."""
+    never_measured = mock.patch.object(frequency, "run_measurement", side_effect=Parsed)
+    outcome, stderr = invoke(frequency.main, ["--config", "tiny", "--warmup", "-2"],
+                             never_measured)
+    assert_clear_error(outcome, stderr, set())
+    assert "argument --warmup: -2 is not >= 0" in stderr
