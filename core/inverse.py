@@ -324,11 +324,12 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
     """``(F + shift·I)⁻¹``, exactly symmetric.
 
     Both methods factor the damped matrix by Cholesky and form the inverse from it (half the
-    FLOPs of an LU inverse). ``"cholesky"`` fails when the matrix is not positive definite;
-    ``"inverse"`` then falls back to ``torch.linalg.inv`` (LU), so it inverts whatever
-    ``torch.linalg.inv`` inverts. On the CPU the factorisation and the inverse overwrite one
-    copy of the factor (LAPACK works in place on the column-major view of the symmetric
-    matrix), so a decomposition needs one matrix of scratch memory, not three.
+    FLOPs of an LU inverse). ``"cholesky"`` fails when the matrix is not positive definite,
+    in ``dtype`` and then in fp64; ``"inverse"`` then falls back to ``torch.linalg.inv`` (LU)
+    in fp64, so it inverts whatever ``torch.linalg.inv`` inverts. On the CPU the
+    factorisation and the inverse overwrite one copy of the factor (LAPACK works in place on
+    the column-major view of the symmetric matrix), so a decomposition needs one matrix of
+    scratch memory, not three.
     """
     _require_finite(method, factor)
 
@@ -344,7 +345,9 @@ def damped_inverse(factor: Tensor, shift: float, method: str, dtype: torch.dtype
             info = int(info_tensor)
             if info == 0:
                 return (_unscaled(symmetrised(torch.cholesky_inverse(chol)), unscale),)
-        if method == "cholesky":
+        # A narrower attempt goes to fp64's Cholesky first: an LU inverse of the same
+        # rounded matrix returns finite garbage for a damped rank-deficient factor.
+        if method == "cholesky" or m.dtype != torch.float64:
             raise _not_positive_definite(info)
         matrix, exponent = _damped(m, shift)
         return (_unscaled(symmetrised(torch.linalg.inv(matrix)), 2.0**-exponent),)
@@ -549,11 +552,13 @@ def kept_dtype(tensors: Sequence[Tensor], kind: str, shift: float, grad: Tensor,
 
 
 def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
-    """``ν = min(1, sqrt(κ / |Σ (P ⊙ ∇W̄) · lr²|))``; 1 when the sum is zero."""
-    vg = abs(products * lr * lr)
-    if vg == 0.0 or not math.isfinite(vg):
+    """``ν = min(1, sqrt(κ / |Σ (P ⊙ ∇W̄) · lr²|))``; 1 when the sum or ``lr`` is zero (or
+    the sum NaN), 0 when it is infinite."""
+    if products == 0.0 or lr == 0.0 or math.isnan(products):
         return 1.0
-    return min(1.0, math.sqrt(kl_clip / vg))
+    # as a ratio of square roots: an overflowing (or infinite) |products|·lr² clips to 0,
+    # where the product form read inf as "no clip"
+    return min(1.0, math.sqrt(kl_clip) / (math.sqrt(abs(products)) * lr))
 
 
 def kl_product(p: Tensor, grad: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from core import KFACPreconditioner
+from core import inverse as inverse_module
 from core.config import ConfigError
 from core.inverse import (
     RESCALE_EXPONENT,
@@ -516,3 +517,28 @@ def test_a_kl_product_that_overflows_leaves_its_layer_first_order() -> None:
     preconditioned = {"0": torch.ones(3, 19), "5": huge}
     precond._leave_nonfinite_first_order(preconditioned, None)  # sums to inf, all finite
     assert list(preconditioned) == ["0", "5"] and precond.nonfinite_preconditioned == 1
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_an_inverse_that_fails_in_fp32_is_retried_by_cholesky_in_fp64_not_lu(
+        host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damped rank-deficient fp32 factor whose fp32 Cholesky fails: method "inverse" took an
+    fp32 LU inverse of the same rounded matrix, finite and off by 230% (so the fp64 retry
+    never ran); it now gets fp64's Cholesky, as "cholesky" does."""
+    monkeypatch.setattr(inverse_module, "HOST_IN_PLACE", host)
+    torch.manual_seed(0)
+    x = torch.randn(31, 10, dtype=torch.float64)
+    factor = (x @ x.T).float()  # positive semi-definite, rank 10
+    shift = 1e-6
+    dense = torch.linalg.inv(factor.double() + shift * torch.eye(31, dtype=torch.float64))
+    for method in ("cholesky", "inverse"):
+        got = damped_inverse(factor, shift, method, torch.float32).double()
+        assert ((got - dense).norm() / dense.norm()).item() < 1e-4, method
+
+
+def test_the_kl_clip_of_an_overflowing_product_is_zero_not_one() -> None:
+    """``|Σ P ⊙ ∇W̄|·lr²`` overflowing (or infinite) meant "no clip"; its limit is 0."""
+    assert kl_clip_scale(1e300, 1e10, 1e-3) == pytest.approx(math.sqrt(1e-3) / 1e160)
+    assert kl_clip_scale(math.inf, 0.1, 1e-3) == 0.0
+    assert kl_clip_scale(0.0, 0.1, 1e-3) == 1.0 and kl_clip_scale(4.0, 0.0, 1e-3) == 1.0
+    assert kl_clip_scale(4.0, 0.5, 0.25) == pytest.approx(0.5)
