@@ -167,21 +167,36 @@ def readme_section(text: str, keyword: str) -> str:
         The section body, stripped; "" when no heading matches.
     """
     lines = text.splitlines()
-    heading = re.compile(r"^(#{1,6})\s+(.*)$")
-    for start, line in enumerate(lines):
-        match = heading.match(line)
+    headings = _heading_matches(lines)
+    for start, match in enumerate(headings):
         if not match or keyword.lower() not in match.group(2).lower():
             continue
         level = len(match.group(1))
         body = []
-        for inner in lines[start + 1:]:
-            sub = heading.match(inner)
+        for inner, sub in zip(lines[start + 1:], headings[start + 1:], strict=True):
             if sub and len(sub.group(1)) <= level:
                 break
             body.append(f"{'#' * (len(sub.group(1)) - level + 2)} {sub.group(2)}" if sub
                         else inner)
         return "\n".join(body).strip()
     return ""
+
+
+def _heading_matches(lines: list[str]) -> list[re.Match[str] | None]:
+    """Per line, its heading match (level marks, text), or None: for a line that is not a
+    heading, and for every line inside a fenced code block, where ``# comment`` is code."""
+    heading = re.compile(r"^(#{1,6})\s+(.*)$")
+    fence = re.compile(r"^\s*(```|~~~)")
+    matches: list[re.Match[str] | None] = []
+    open_fence: str | None = None
+    for line in lines:
+        opened = fence.match(line)
+        if opened and (open_fence is None or opened.group(1) == open_fence):
+            open_fence = None if open_fence else opened.group(1)
+            matches.append(None)
+            continue
+        matches.append(None if open_fence else heading.match(line))
+    return matches
 
 
 def read_paper(directory: Path) -> PaperResults:

@@ -105,7 +105,7 @@ class Table:
     def markdown(self) -> str:
         """The table as Markdown: a heading with id, title and kind, the grid, the notes."""
         grid = markdown_grid(self.columns, ([format_cell(c) for c in row] for row in self.rows))
-        text = f"### {self.id}: {self.title} ({self.kind})\n\n{grid}"
+        text = f"### {self.id}: {one_line(self.title)} ({self.kind})\n\n{grid}"
         return f"{text}\n\n{self.notes}" if self.notes else text
 
     @classmethod
@@ -148,8 +148,15 @@ def format_cell(value: Cell) -> str:
     return f"{value:,.1f}"
 
 
+def one_line(text: str) -> str:
+    """``text`` with every line break (``\\n``, ``\\r\\n``, ``\\r`` ...) turned into a space."""
+    return " ".join(text.splitlines())
+
+
 def markdown_grid(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
-    """A Markdown table of text cells, each escaped (``|`` and line breaks) to stay in its cell.
+    """A Markdown table of text cells, each escaped to stay in its cell: ``|`` as its HTML
+    entity (a backslash escape breaks where the text has a backslash before it), every kind
+    of line break as a space.
 
     Args:
         columns: The header.
@@ -159,7 +166,7 @@ def markdown_grid(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
         The header line, the separator line and one line per row.
     """
     def line(cells: Iterable[str]) -> str:
-        return "| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |"
+        return "| " + " | ".join(one_line(c).replace("|", "&#124;") for c in cells) + " |"
 
     return "\n".join([line(columns), "|" + "---|" * len(columns), *map(line, rows)])
 

@@ -48,7 +48,7 @@ def test_tables_show_the_papers_number_ours_their_kind_and_notes(generated: Path
     assert "| iterations at B = 131,072 | 978 | 978 |" in page
     assert "| optimizer memory (GB) | 23.3 | 0.0469 |" in page
     # A number the paper does not give is never filled in; a pipe in a cell is escaped.
-    assert "| top-1 accuracy (%) | — | 88.5 | Fashion-MNIST \\| one seed |" in page
+    assert "| top-1 accuracy (%) | — | 88.5 | Fashion-MNIST &#124; one seed |" in page
     assert "### T3: Time to accuracy (needs data)" in page and "| time to 75% | 3.1 h | — |" in page
     for kind, meaning in KIND_MEANINGS.items():  # the legend of the kinds in the headings
         assert f"| {kind} | {meaning} |" in page
@@ -192,6 +192,16 @@ def test_readme_section_stops_at_the_next_heading_of_its_level() -> None:
     text = "# Known deviations\na\n## Sub\nb\n# Next\nc\n"
     assert readme_section(text, "deviation") == "a\n### Sub\nb"
     assert readme_section(text, "missing") == ""
+
+
+def test_readme_section_reads_hashes_in_fenced_code_as_code() -> None:
+    """A ``# comment`` in a fenced block of the section ended the section inside the fence,
+    which left the page an unclosed code block from there on."""
+    text = ("## Deviations\na\n```bash\n# a shell comment\nrun\n```\n~~~\n# more\n~~~\nb\n"
+            "## Next\nc\n")
+    assert readme_section(text, "deviation") == (
+        "a\n```bash\n# a shell comment\nrun\n```\n~~~\n# more\n~~~\nb")
+    assert readme_section("```\n# Deviations\n```\n", "deviation") == ""
 
 
 @pytest.mark.parametrize(("value", "unit", "text"), [

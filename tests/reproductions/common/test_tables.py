@@ -57,13 +57,18 @@ def test_markdown() -> None:
     text = table().markdown()
     assert text.splitlines()[0] == "### D1: Communication (exact)"
     assert "| ResNet-50 | 2.79–3.15× | 1,211.6 |" in text
-    assert "| x \\| y | — | — |" in text
+    assert "| x &#124; y | — | — |" in text
     assert text.endswith("from the ledger")
 
 
 def test_markdown_grid_keeps_every_text_in_its_cell() -> None:
-    assert markdown_grid(["a|b", "c"], [["x\ny", "z"]]).splitlines() == [
-        "| a\\|b | c |", "|---|---|", "| x y | z |"]
+    """A literal backslash before a pipe (``x\\|y``) split its cell in two under the
+    backslash escape, and a carriage return split the row; the title's line break the
+    heading."""
+    assert markdown_grid(["a|b", "c"], [["x\ny", "z"], ["x\\|y", "u\r\nv"]]).splitlines() == [
+        "| a&#124;b | c |", "|---|---|", "| x y | z |", "| x\\&#124;y | u v |"]
+    titled = Table("D9", "two\nlines", "exact", ["paper", "ours"], [[1, 2]], "notes")
+    assert titled.markdown().splitlines()[0] == "### D9: two lines (exact)"
 
 
 @pytest.mark.parametrize("change, message", [
