@@ -40,6 +40,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from data.paths import directory_problem
 from reproductions.common import tables
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import ResultsError, load_results
@@ -634,8 +635,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--docs", type=Path, default=None,
                         help="docs directory to write into (default: <root>/docs)")
     args = parser.parse_args(argv)
+    docs = args.docs or args.root / "docs"
+    problem = directory_problem(Path(docs).resolve())
+    if problem is not None:
+        parser.exit(1, f"make_docs_pages: --docs {docs}: {problem}; pass a docs directory\n")
     try:
-        status = write_pages(args.root, args.docs or args.root / "docs")
+        status = write_pages(args.root, docs)
     except (PagesError, TablesError, ResultsError) as exc:
         parser.exit(1, f"make_docs_pages: {exc}\n")
     for slug, results in status.items():

@@ -149,6 +149,12 @@ def test_a_bad_file_or_root_ends_in_one_line_and_leaves_the_pages_as_they_were(
         assert err.startswith("make_docs_pages: ") and says in err and "Traceback" not in err
         assert {p: p.read_bytes() for p in (docs / "reproductions").rglob("*")
                 if p.is_file()} == pages
+    # --docs naming a file: NotADirectoryError's traceback
+    with pytest.raises(SystemExit) as info:
+        make_docs_pages.main(["--root", str(tmp_path), "--docs", str(docs / "index.md")])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and "Traceback" not in err
+    assert err.startswith("make_docs_pages: --docs ") and "pass a docs directory" in err
 
 
 def test_runs_of_a_sweep_get_labels_that_tell_them_apart() -> None:
