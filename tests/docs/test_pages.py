@@ -150,8 +150,9 @@ def test_a_bad_file_or_root_ends_in_one_line_and_leaves_the_pages_as_they_were(
         assert {p: p.read_bytes() for p in (docs / "reproductions").rglob("*")
                 if p.is_file()} == pages
     # --docs naming a file: NotADirectoryError's traceback
+    (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit) as info:
-        make_docs_pages.main(["--root", str(tmp_path), "--docs", str(docs / "index.md")])
+        make_docs_pages.main(["--root", str(tmp_path), "--docs", str(tmp_path / "a-file")])
     err = capsys.readouterr().err
     assert info.value.code == 1 and "Traceback" not in err
     assert err.startswith("make_docs_pages: --docs ") and "pass a docs directory" in err
