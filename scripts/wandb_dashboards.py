@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,20 +59,29 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
-def row_slugs(table: Table) -> list[str]:
-    """Each row's key: the slug of its first cell, made unique within the table.
-
-    A label that repeats (two rows of one model, say) gets ``_2``, ``_3``, ... on its second,
-    third, ... row, so their figures do not overwrite each other; an empty one is ``row_<n>``
-    (1-based).
-    """
-    seen: Counter[str] = Counter()
-    keys = []
-    for n, row in enumerate(table.rows, start=1):
-        key = slug(format_cell(row[0])) or f"row_{n}"
-        seen[key] += 1
-        keys.append(key if seen[key] == 1 else f"{key}_{seen[key]}")
+def unique_slugs(texts: Sequence[str], blank: str) -> list[str]:
+    """The slug of each text, made unique among them: one that repeats (two rows of one model,
+    or ``ours (MB)`` beside ``ours: MB``) gets the first free ``_2``, ``_3``, ... (never one
+    another text already slugs to, such as a row named ``a_2``), so no figure overwrites
+    another; an empty one is ``<blank>_<n>`` (1-based)."""
+    bases = [slug(text) or f"{blank}_{n}" for n, text in enumerate(texts, start=1)]
+    taken = set(bases)
+    keys: list[str] = []
+    used: set[str] = set()
+    for base in bases:
+        key, n = base, 1
+        while key in used or (key != base and key in taken):
+            n += 1
+            key = f"{base}_{n}"
+        used.add(key)
+        keys.append(key)
     return keys
+
+
+def row_slugs(table: Table) -> list[str]:
+    """Each row's key: the slug of its first cell, made unique within the table
+    (:func:`unique_slugs`; an empty label is ``row_<n>``)."""
+    return unique_slugs([format_cell(row[0]) for row in table.rows], "row")
 
 
 def table_figures(tables: Sequence[Table]) -> dict[str, float]:
@@ -84,7 +92,7 @@ def table_figures(tables: Sequence[Table]) -> dict[str, float]:
     """
     figures = {}
     for table in tables:
-        columns = [slug(column) for column in table.columns]
+        columns = unique_slugs(table.columns, "column")
         for key, row in zip(row_slugs(table), table.rows, strict=True):
             for column, value in zip(columns, row, strict=True):
                 if isinstance(value, int | float):

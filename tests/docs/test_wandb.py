@@ -52,6 +52,15 @@ def test_repeated_or_empty_row_labels_get_keys_of_their_own() -> None:
     assert len(table_figures([table])) == 8
 
 
+def test_keys_never_collide_across_rows_or_columns() -> None:
+    """Columns ``ours (MB)`` and ``ours: MB`` shared one key, and a repeated row ``a`` took
+    the key ``a_2`` of a row so named: 9 numeric cells gave 4 figures."""
+    table = Table("D1", "t", "exact", ["model", "ours (MB)", "ours: MB", "paper"],
+                  [["a", 1, 2, 3], ["a", 4, 5, 6], ["a_2", 7, 8, 9]], "n")
+    assert len(table_figures([table])) == 9
+    assert row_slugs(table) == ["a", "a_3", "a_2"]
+
+
 def test_the_tables_run_logged_offline_reads_back(tmp_path: Path, tables: list,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")
