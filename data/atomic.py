@@ -14,6 +14,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from data.errors import DataUnavailableError
+from data.paths import DATA_DIR_ENV
+
+
+def _unwritable(directory: Path, exc: OSError) -> DataUnavailableError:
+    """The error for a cache directory that cannot be created or written to.
+
+    Raised instead of ``mkdir``'s or ``mkstemp``'s traceback (an existing read-only cache
+    directory, or ``KFAC_DATA_DIR=/proc/self``), so the command ends in one line naming the
+    directory and the option that moves the cache.
+
+    Args:
+        directory: The directory a cache file or folder was to be created in.
+        exc: What the operating system said.
+    """
+    reason = exc.strerror or str(exc)
+    return DataUnavailableError(
+        f"a writable cache directory {directory} ({reason})",
+        f"pass --data-dir (or set {DATA_DIR_ENV} to) a writable directory",
+    )
+
 
 @contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
@@ -27,9 +48,15 @@ def atomic_path(final: Path) -> Iterator[Path]:
 
     Yields:
         A path the caller writes the complete contents to.
+
+    Raises:
+        DataUnavailableError: the parent cannot be created or written to (names it and the fix).
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _unwritable(final.parent, exc) from None
     os.close(fd)
     tmp = Path(name)
     tmp.chmod(0o644)  # mkstemp makes 0600; caches are meant to be shared like ordinary files
@@ -52,9 +79,15 @@ def atomic_directory(final: Path) -> Iterator[Path]:
 
     Yields:
         An empty directory the caller fills.
+
+    Raises:
+        DataUnavailableError: the parent cannot be created or written to (names it and the fix).
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp"))
+    except OSError as exc:
+        raise _unwritable(final.parent, exc) from None
     tmp.chmod(0o755)  # mkdtemp makes 0700
     try:
         yield tmp

@@ -88,21 +88,60 @@ def _provenance(train: bool) -> str:
 
 
 def _load_cache(cache: Path) -> dict[str, Any]:
-    """A split's cache as saved.
+    """A split's cache as saved, checked to hold what :func:`_read_split` writes.
+
+    A cache is trusted without its source files (it may have been copied to a machine without
+    them), so its contents are checked here: otherwise a damaged or foreign one fails later as a
+    bare AssertionError in ``TensorDataset`` or an AttributeError, naming no file.
+
+    Args:
+        cache: The ``.pt`` file of one split.
+
+    Returns:
+        The saved dict, with uint8 ``images`` of shape ``(N, 28, 28)`` and ``N`` int64 ``labels``.
 
     Raises:
-        CorruptDataError: it cannot be read (named, with the fix).
+        CorruptDataError: it cannot be read or its contents are wrong (named, with the fix).
     """
+    fix = f"delete {cache}; the next load rebuilds it from the IDX files"
     try:
         blob = torch.load(cache, weights_only=True)
         if not isinstance(blob, dict) or not {"images", "labels"} <= blob.keys():
             raise KeyError("images and labels")
-        return blob
     except Exception as exc:  # whatever torch.load raises on damaged bytes (struct.error, ...)
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CorruptDataError(cache, f"is not a readable Fashion-MNIST cache ({first_line})",
-                               f"delete {cache}; the next load rebuilds it from the IDX files"
-                               ) from None
+                               fix) from None
+    problem = _cache_problem(blob["images"], blob["labels"])
+    if problem is not None:
+        raise CorruptDataError(cache, f"is not a valid Fashion-MNIST cache ({problem})", fix)
+    return blob
+
+
+def _describe(value: object) -> str:
+    """A tensor's dtype and shape, or the type of anything else, for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _cache_problem(images: object, labels: object) -> str | None:
+    """Why a cache's ``images`` and ``labels`` are not what :func:`_read_split` saves, or None.
+
+    Args:
+        images: The cached images, expected uint8 of shape ``(N, 28, 28)``.
+        labels: The cached labels, expected int64 of shape ``(N,)``.
+
+    Returns:
+        The reason, naming the field at fault, or None when both are as expected.
+    """
+    if (not isinstance(images, torch.Tensor) or images.dtype != torch.uint8
+            or images.ndim != 3 or tuple(images.shape[1:]) != (28, 28)):
+        return f"images are {_describe(images)}, not uint8 of shape (N, 28, 28)"
+    if (not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64
+            or tuple(labels.shape) != (images.shape[0],)):
+        return f"labels are {_describe(labels)}, not {images.shape[0]} int64 labels"
+    return None
 
 
 def _read_split(train: bool, cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ file fails with a message naming it instead of producing garbage tensors.
 from __future__ import annotations
 
 import gzip
+import math
 import zlib
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def read_idx(path: Path, fix: str = "replace it with an intact copy") -> np.ndar
         raise corrupt(f"header declares {ndim} dimensions but the file ends inside it")
     shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     dtype = _DTYPES[type_code]
-    expected = header + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # Python ints: np.prod wraps around (65536**4 == 0 in int64) and would accept the file
+    expected = header + math.prod(shape) * dtype.itemsize
     if len(raw) != expected:
         raise corrupt(f"header promises shape {shape} ({expected} bytes) but has {len(raw)} bytes")
     data = np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)

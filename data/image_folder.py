@@ -90,14 +90,38 @@ def _class_folders(split: Path) -> set[str]:
 
 
 def load_rgb(path: str) -> Image.Image:
-    """Read an image file as RGB, as torchvision's default loader does.
+    """Read an image file as 8-bit RGB, as torchvision's default loader does.
+
+    PIL's ``convert("RGB")`` clips 16-bit grayscale (modes ``I;16*``) at 255 instead of scaling,
+    which turns most such images white; they are scaled here by ``1/257`` (65535 -> 255,
+    ``257 * k`` -> ``k``). 32-bit integer (``I``) and float (``F``) images have no known range,
+    so they are refused rather than silently clipped.
+
+    Args:
+        path: The image file.
+
+    Returns:
+        The image in mode ``RGB``.
 
     Raises:
-        CorruptDataError: the file is not a readable image (named, with the fix).
+        CorruptDataError: the file is not a readable image, or its mode (``I``, ``F``) has no
+            known 8-bit scaling (named, with the fix).
     """
     try:
         with Image.open(path) as image:
+            if image.mode.startswith("I;16"):
+                pixels = np.asarray(image).astype(np.float64)
+                eight_bit = np.rint(pixels / 257).astype(np.uint8)
+                return Image.fromarray(eight_bit).convert("RGB")  # uint8 2-D: mode L
+            if image.mode in ("I", "F"):
+                raise CorruptDataError(
+                    Path(path), f"has image mode {image.mode} (32-bit "
+                    f"{'integer' if image.mode == 'I' else 'float'} pixels), whose range for "
+                    "8-bit RGB is unknown", "convert it to an 8-bit (or 16-bit) RGB or "
+                    "grayscale image, or delete it")
             return image.convert("RGB")
+    except CorruptDataError:  # a ValueError, but already the finished message
+        raise
     except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError: OSError
         raise CorruptDataError(Path(path), f"is not a readable image ({exc})",
                                "replace the file with a good copy or delete it") from None

@@ -37,7 +37,8 @@ def data_root(override: str | Path | None = None) -> Path:
         The absolute cache directory, with ``~`` expanded.
 
     Raises:
-        DataUnavailableError: the directory neither exists nor can be created.
+        DataUnavailableError: the directory neither exists nor can be created, or its path
+            cannot be resolved (a symlink loop).
     """
     if override is not None and str(override) != "":
         chosen = Path(override)
@@ -45,12 +46,15 @@ def data_root(override: str | Path | None = None) -> Path:
         chosen = Path(os.environ[DATA_DIR_ENV])
     else:
         chosen = REPO_ROOT / ".cache" / "data"
-    root = chosen.expanduser().resolve()
+    fix = (f"pass --data-dir (or set {DATA_DIR_ENV} to) a directory that exists or can be "
+           "created")
+    try:
+        root = chosen.expanduser().resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop: RuntimeError before Python 3.13
+        raise DataUnavailableError(f"the data cache directory {chosen} ({exc})", fix) from None
     problem = directory_problem(root)
     if problem is not None:
-        raise DataUnavailableError(f"the data cache directory {root} ({problem})",
-                                   f"pass --data-dir (or set {DATA_DIR_ENV} to) a directory "
-                                   "that exists or can be created")
+        raise DataUnavailableError(f"the data cache directory {root} ({problem})", fix)
     return root
 
 

@@ -145,7 +145,9 @@ def _run_bible(command: Sequence[str]) -> str:
     """Run the Bible dump command and return its output, or raise DataUnavailableError."""
     shown = " ".join(command)
     try:
-        result = subprocess.run(list(command), capture_output=True, text=True, check=False)
+        # Decoded leniently, like the manual's sources: one stray byte must not lose the Bible
+        result = subprocess.run(list(command), capture_output=True, text=True,
+                                encoding="utf-8", errors="replace", check=False)
     except FileNotFoundError as exc:
         raise DataUnavailableError(f"the `{command[0]}` program (KJV Bible)", APT_FIX) from exc
     if result.returncode != 0 or not result.stdout.strip():
@@ -173,7 +175,8 @@ def wordpiece_vocab(corpus: Path, vocab_size: int, root: str | Path | None = Non
     Raises:
         ValueError: ``vocab_size`` is smaller than the five BERT special tokens.
         DataUnavailableError: ``corpus`` does not exist.
-        CorruptDataError: ``corpus`` holds no text.
+        CorruptDataError: ``corpus`` holds no text or is not UTF-8, or the cached vocabulary
+            folder exists without ``vocab.txt``.
     """
     if vocab_size < 5:
         raise ValueError(f"vocab_size must be at least 5 (the special tokens), got {vocab_size}")
@@ -184,10 +187,18 @@ def wordpiece_vocab(corpus: Path, vocab_size: int, root: str | Path | None = Non
     if not text.strip():
         raise CorruptDataError(corpus, "holds no text", "pass a UTF-8 text file with one "
                                "paragraph per line, or " + REBUILD_FIX + " for the built-in one")
+    try:  # checked here: tokenizers' own error names no file
+        text.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptDataError(
+            corpus, f"is not UTF-8 text (byte 0x{text[exc.start]:02x} at offset {exc.start})",
+            "convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`), or " + REBUILD_FIX
+            + " for the built-in one") from None
     digest = hashlib.sha256(text).hexdigest()[:16]
     final = data_root(root) / "tokenizers" / f"wordpiece-{digest}-{vocab_size}"
     if (final / "vocab.txt").is_file():
         return final
+    _check_vocab_folder(final, built=False)
     tokenizer = BertWordPieceTokenizer(lowercase=True)
     tokenizer.train(
         [str(corpus)],
@@ -197,7 +208,28 @@ def wordpiece_vocab(corpus: Path, vocab_size: int, root: str | Path | None = Non
     )
     with atomic_directory(final) as tmp:
         tokenizer.save_model(str(tmp))
+    _check_vocab_folder(final, built=True)  # another process's copy may have been kept instead
     return final
+
+
+def _check_vocab_folder(folder: Path, built: bool) -> None:
+    """Refuse a vocabulary folder that exists without ``vocab.txt``.
+
+    :func:`~data.atomic.atomic_directory` keeps a folder already at the final name, so a leftover
+    one (an interrupted copy, a hand-made folder) would otherwise be returned as a vocabulary,
+    and every later run would fail the same way in :func:`bert_tokenizer`.
+
+    Args:
+        folder: The vocabulary's cache folder.
+        built: True after training (the folder must now exist), False before (it may be absent).
+
+    Raises:
+        CorruptDataError: ``folder`` exists (or, after building, is missing) without vocab.txt.
+    """
+    if (folder / "vocab.txt").is_file() or (not built and not folder.exists()):
+        return
+    raise CorruptDataError(folder, "has no vocab.txt (left over from an interrupted run?)",
+                           f"delete {folder} and run again; it is rebuilt from the corpus")
 
 
 def bert_tokenizer(vocab_dir: Path, model_max_length: int = 512) -> BertTokenizerFast:

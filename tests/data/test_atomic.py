@@ -29,3 +29,26 @@ def test_atomic_directory_keeps_existing(tmp_path: Path) -> None:
         (tmp / "vocab.txt").write_text("second")
     assert (final / "vocab.txt").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["vocab"]
+
+
+def test_unwritable_parent_says_data_dir() -> None:
+    from data.errors import DataUnavailableError
+
+    with pytest.raises(DataUnavailableError, match=r"/proc/self.*--data-dir.*KFAC_DATA_DIR"):
+        with atomic_path(Path("/proc/self/kfac-cache/file.pt")):
+            pass
+    with pytest.raises(DataUnavailableError, match=r"/proc/self.*--data-dir.*KFAC_DATA_DIR"):
+        with atomic_path(Path("/proc/self/file.pt")):
+            pass
+    with pytest.raises(DataUnavailableError, match=r"/proc/self.*--data-dir.*KFAC_DATA_DIR"):
+        with atomic_directory(Path("/proc/self/vocab")):
+            pass
+
+
+def test_error_inside_block_is_not_rewrapped(tmp_path: Path) -> None:
+    with pytest.raises(PermissionError):
+        with atomic_path(tmp_path / "f"):
+            raise PermissionError("from the caller")
+    with pytest.raises(PermissionError):
+        with atomic_directory(tmp_path / "d"):
+            raise PermissionError("from the caller")

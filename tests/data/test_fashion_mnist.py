@@ -84,3 +84,25 @@ def test_cache_is_rebuilt_when_the_source_files_change(tiny_fashion_dir: Path,
     write_idx(other / "t10k-labels-idx1-ubyte.gz", np.zeros(2, np.uint8))
     monkeypatch.setenv(fm.SOURCE_DIR_ENV, str(other))
     assert len(fm.fashion_mnist(train=False, root=tmp_path / "c")) == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("labels", lambda blob: blob["labels"][:2]),
+        ("labels", lambda blob: "x"),
+        ("labels", lambda blob: blob["labels"].to(torch.int32)),
+        ("images", lambda blob: blob["images"].to(torch.float32)),
+        ("images", lambda blob: blob["images"][:, :27]),
+        ("images", lambda blob: None),
+    ],
+)
+def test_cache_with_wrong_contents_names_file(tiny_fashion_dir: Path, isolated_cache: Path,
+                                              field: str, bad: object) -> None:
+    fm.fashion_mnist(train=True)
+    cache = isolated_cache / "fashion-mnist" / "train.pt"
+    blob = torch.load(cache, weights_only=True)
+    blob[field] = bad(blob)  # type: ignore[operator]
+    torch.save(blob, cache)
+    with pytest.raises(CorruptDataError, match=f"{cache}.*{field}.*Fix: delete {cache}"):
+        fm.fashion_mnist(train=True)

@@ -49,3 +49,10 @@ def test_damaged_gzip_names_file(tmp_path: Path) -> None:
     path.write_bytes(gzip.compress(b"\x00\x00\x08\x01" + bytes(100))[:-10])
     with pytest.raises(CorruptDataError, match="broken.gz: cannot be read or decompressed"):
         read_idx(path)
+
+
+def test_header_dims_that_overflow_int64_are_reported(tmp_path: Path) -> None:
+    path = tmp_path / "huge"
+    path.write_bytes(bytes([0, 0, 0x08, 4]) + np.asarray([65536] * 4, dtype=">u4").tobytes())
+    with pytest.raises(CorruptDataError, match=r"huge.*header promises shape \(65536"):
+        read_idx(path)

@@ -60,3 +60,39 @@ def test_splits_with_other_class_folders_are_refused_naming_them(tmp_path: Path,
                        match=r"only in (train: \['class_000'\]; only in val: \['stray'\]|"
                              r"val: \['stray'\]; only in train: \['class_000'\])"):
         image_folder(root, train=train, image_size=8)
+
+
+def test_16_bit_image_is_scaled_not_saturated(tmp_path: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from data.image_folder import load_rgb
+
+    path = tmp_path / "gray16.png"
+    Image.fromarray(np.array([[0, 257 * 100, 30000, 65535]], dtype=np.uint16)).save(path)
+    assert Image.open(path).mode == "I;16"
+    pixels = np.asarray(load_rgb(str(path)))
+    assert pixels.shape == (1, 4, 3) and pixels.dtype == np.uint8
+    assert pixels[0, :, 0].tolist() == [0, 100, round(30000 / 257), 255]
+    assert (pixels[..., 0] == pixels[..., 2]).all()
+
+
+@pytest.mark.parametrize(("name", "array"), [
+    ("float.tif", [[0.5, 0.25]]),
+    ("int32.tif", [[70000, 3]]),
+])
+def test_float_and_32_bit_images_are_refused_naming_mode(tmp_path: Path, name: str,
+                                                        array: list[list[float]]) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from data.errors import CorruptDataError
+    from data.image_folder import load_rgb
+
+    path = tmp_path / name
+    dtype = np.float32 if name.startswith("float") else np.int32
+    Image.fromarray(np.array(array, dtype=dtype)).save(path)
+    mode = Image.open(path).mode
+    with pytest.raises(CorruptDataError, match=rf"{name}: has image mode {mode} ") as caught:
+        load_rgb(str(path))
+    assert "not a readable image" not in str(caught.value)

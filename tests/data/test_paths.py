@@ -33,3 +33,12 @@ def test_data_dir_argument(tmp_path: Path) -> None:
     assert parser.parse_args([]).data_dir is None
     args = parser.parse_args(["--data-dir", str(tmp_path)])
     assert data_root(args.data_dir) == tmp_path
+
+
+def test_symlink_loop_is_refused_naming_it(tmp_path: Path) -> None:
+    from data.errors import DataUnavailableError
+
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
+    with pytest.raises(DataUnavailableError, match=r"loop_a.*--data-dir"):
+        data_root(tmp_path / "loop_a")

@@ -137,3 +137,38 @@ def test_bad_vocab_size_and_missing_vocab(tmp_path: Path) -> None:
         tc.wordpiece_vocab(tmp_path, vocab_size=3)
     with pytest.raises(DataUnavailableError, match="vocab.txt"):
         tc.bert_tokenizer(tmp_path)
+
+
+def test_bible_output_that_is_not_utf8_is_replaced(fake_docs: Path, tmp_path: Path) -> None:
+    script = tmp_path / "latin1-bible"
+    verse = "Ge1:1 In the beginning God created the heaven caf\\351.\\n"
+    script.write_text(f"#!/bin/sh\nprintf '{verse}'\n")
+    script.chmod(0o755)
+    corpus = tc.english_corpus(doc_sources=fake_docs, bible_command=(str(script),))
+    text = corpus.read_text(encoding="utf-8")
+    assert "In the beginning God created the heaven caf\ufffd." in text
+
+
+def test_non_utf8_corpus_names_file(tmp_path: Path) -> None:
+    from data.errors import CorruptDataError
+
+    corpus = tmp_path / "latin1.txt"
+    corpus.write_bytes(b"caf\xe9 the quick brown fox jumps over the lazy dog\n" * 30)
+    with pytest.raises(CorruptDataError, match=r"latin1\.txt: is not UTF-8 text.*Fix:"):
+        tc.wordpiece_vocab(corpus, vocab_size=60)
+
+
+def test_leftover_vocab_folder_without_vocab_txt_is_refused(tmp_path: Path,
+                                                          isolated_cache: Path) -> None:
+    import hashlib
+
+    from data.errors import CorruptDataError
+
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog again\n" * 50, encoding="utf-8")
+    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:16]
+    leftover = isolated_cache / "tokenizers" / f"wordpiece-{digest}-60"
+    leftover.mkdir(parents=True)
+    (leftover / "junk").write_text("x")
+    with pytest.raises(CorruptDataError, match=rf"{leftover}.*vocab\.txt.*Fix: delete {leftover}"):
+        tc.wordpiece_vocab(corpus, vocab_size=60)
