@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:  # benchmark this checkout's core, not an installe
     sys.path.insert(0, str(ROOT))
 
 from core import host_kernels  # noqa: E402
+from core.config import ConfigError  # noqa: E402
 from core.inverse import inverse_in_place  # noqa: E402
 from core.layers import helper_for  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
@@ -1310,7 +1311,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.reamortize is not None:
         with exit_on_user_error(parser):
             saved = read_json_file(args.reamortize, "--reamortize")
-        out = reamortize(saved, args.intervals)
+            try:
+                out = reamortize(saved, args.intervals)
+            except (KeyError, TypeError, AttributeError) as exc:  # JSON of another shape
+                raise ConfigError("--reamortize", str(args.reamortize),
+                                  "a results file this script wrote with --json (it lacks "
+                                  f"or misshapes {exc})") from None
         print(tables_markdown({k: out["tables"][k] for k in ("results", "bounds", "targets")}))
         write_json(args.json, out)
         return out

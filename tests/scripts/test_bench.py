@@ -375,6 +375,9 @@ def test_each_measured_method_is_saved_before_the_run_ends(
     (["--threads", "0"], "--threads"),  # torch's RuntimeError
     (["--reamortize", "/nonexistent/run.json"], "--reamortize"),  # FileNotFoundError
     (["--reamortize", __file__], "--reamortize"),  # JSONDecodeError
+    # valid JSON of another shape: a KeyError
+    (["--reamortize", str(Path(__file__).parents[2] / "reproductions" / "mkor" / "results"
+                          / "tables.json")], "--reamortize"),
 ])
 def test_bad_options_end_in_one_line_before_measuring(
         argv: list[str], option: str, monkeypatch: pytest.MonkeyPatch) -> None:
