@@ -190,8 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
         study = read_json_file(args.study, "--study")
-        name, runs = plan(study, quick=args.quick, batch_sizes=args.batch_sizes,
-                          optimizers=args.optimizers)
+        try:
+            name, runs = plan(study, quick=args.quick, batch_sizes=args.batch_sizes,
+                              optimizers=args.optimizers)
+        except (KeyError, TypeError, AttributeError) as exc:  # JSON of another shape
+            raise ConfigError("--study", str(args.study), "a study file like "
+                              f"configs/fmnist_study.json (it lacks or misshapes {exc})"
+                              ) from None
         out_root = writable_directory(args.out / name, "--out")
         results_dir = writable_directory(args.results_dir or RESULTS_ROOT / name,
                                          "--results-dir")

@@ -110,6 +110,8 @@ def test_study_plan_builds_valid_runs() -> None:
     (["--optimizers", "kfac", "--batch-sizes", "256", "100"], "--batch-sizes"),
     (["--study", "/nonexistent/study.json"], "--study"),  # FileNotFoundError
     (["--study", str(Path(__file__))], "--study"),  # not JSON
+    (["--study", str(Path(__file__).parents[3] / "reproductions" / "osawa2018" / "results"
+                     / "tables.json")], "--study"),  # JSON of another shape: a KeyError
 ])
 def test_study_refuses_bad_options_in_one_line(argv: list[str], needle: str,
                                                tmp_path: Path) -> None:
