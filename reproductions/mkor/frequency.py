@@ -51,6 +51,7 @@ from reproductions.mkor.config import MODEL_PRESETS, PretrainConfig
 from reproductions.mkor.measurement_files import (
     add_measurement_arguments,
     measured_config,
+    measurement_output,
     read_measurement,
     report,
     write_measurement,
@@ -430,9 +431,9 @@ def main(argv: list[str] | None = None) -> Table:
         if args.from_results is not None:
             return report(table_from_results(args.from_results))
         cfg = measured_config(args)
+        out = measurement_output(args, RESULTS_DIR, cfg.experiment)
         results = run_measurement(cfg, repeats=args.repeats, warmup=args.warmup,
                                   device=torch.device(args.device), data_dir=args.data_dir)
-        out = args.out or RESULTS_DIR / f"{cfg.experiment}.json"
         write_measurement(out, results)
         return report(frequency_table(results), out, results["wall_s"])
 

@@ -18,7 +18,7 @@ import torch
 
 from data.atomic import atomic_path
 from data.paths import add_data_dir_argument
-from reproductions.common.cli import device_name, positive_int
+from reproductions.common.cli import device_name, positive_int, writable_directory
 from reproductions.common.results import ResultsError
 from reproductions.common.tables import Table, read_schema_file
 from reproductions.mkor.config import PretrainConfig, load_config
@@ -76,6 +76,19 @@ def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-results", type=Path, metavar="FILE",
                         help="print the table of an existing results file; measure nothing")
     add_data_dir_argument(parser)
+
+
+def measurement_output(args: argparse.Namespace, results_dir: Path, experiment: str) -> Path:
+    """The results file ``--out`` names (default ``<results_dir>/<experiment>.json``), its
+    folder checked before anything is measured (a file in its place failed after minutes of
+    measuring).
+
+    Raises:
+        ConfigError: the folder cannot be created (names ``--out``).
+    """
+    out = args.out or results_dir / f"{experiment}.json"
+    writable_directory(out.parent, "--out")
+    return out
 
 
 def measured_config(args: argparse.Namespace) -> PretrainConfig:

@@ -55,6 +55,7 @@ from reproductions.mkor.config import MODEL_PRESETS, PretrainConfig
 from reproductions.mkor.measurement_files import (
     add_measurement_arguments,
     measured_config,
+    measurement_output,
     read_measurement,
     report,
     write_measurement,
@@ -506,10 +507,10 @@ def main(argv: list[str] | None = None) -> Table:
                          "steps (give points within them, or more --steps)")
         if any(p < 0 for p in points):
             parser.error(f"--points {args.points!r}: steps must be >= 0")
+        out = measurement_output(args, RESULTS_DIR, cfg.experiment)
         results = run_measurement(cfg, points=points, out=args.warm_start_out,
                                   init_checkpoint=args.init_checkpoint,
                                   device=torch.device(args.device), data_dir=args.data_dir)
-        out = args.out or RESULTS_DIR / f"{cfg.experiment}.json"
         write_measurement(out, results)
         return report(error_table(results), out, results["wall_s"])
 

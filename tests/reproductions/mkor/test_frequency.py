@@ -166,3 +166,14 @@ def test_a_negative_warmup_ends_in_one_line() -> None:
                              never_measured)
     assert_clear_error(outcome, stderr, set())
     assert "argument --warmup: -2 is not >= 0" in stderr
+
+
+def test_an_out_whose_folder_cannot_be_made_is_refused_before_measuring(tmp_path: Path) -> None:
+    """A file in the place of --out's folder failed only after the measurement, minutes in."""
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    never_measured = mock.patch.object(frequency, "run_measurement", side_effect=Parsed)
+    outcome, stderr = invoke(frequency.main, ["--config", "tiny", "--out",
+                                              str(blocked / "freq.json")], never_measured)
+    assert_clear_error(outcome, stderr, set())
+    assert "invalid --out=" in stderr and "is not a directory" in stderr
