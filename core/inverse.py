@@ -554,11 +554,12 @@ def kept_dtype(tensors: Sequence[Tensor], kind: str, shift: float, grad: Tensor,
 def kl_clip_scale(products: float, lr: float, kl_clip: float) -> float:
     """``ν = min(1, sqrt(κ / |Σ (P ⊙ ∇W̄) · lr²|))``; 1 when the sum or ``lr`` is zero (or
     the sum NaN), 0 when it is infinite."""
-    if products == 0.0 or lr == 0.0 or math.isnan(products):
+    if math.isnan(products):
         return 1.0
     # as a ratio of square roots: an overflowing (or infinite) |products|·lr² clips to 0,
-    # where the product form read inf as "no clip"
-    return min(1.0, math.sqrt(kl_clip) / (math.sqrt(abs(products)) * lr))
+    # where the product form read inf as "no clip"; one that underflows to 0 does not clip
+    denominator = math.sqrt(abs(products)) * lr
+    return 1.0 if denominator == 0.0 else min(1.0, math.sqrt(kl_clip) / denominator)
 
 
 def kl_product(p: Tensor, grad: Tensor) -> Tensor:

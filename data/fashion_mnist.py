@@ -141,6 +141,9 @@ def _cache_problem(images: object, labels: object) -> str | None:
     if (not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64
             or tuple(labels.shape) != (images.shape[0],)):
         return f"labels are {_describe(labels)}, not {images.shape[0]} int64 labels"
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) > 9):
+        return (f"labels run from {int(labels.min())} to {int(labels.max())}, outside the "
+                "classes 0-9")
     return None
 
 

@@ -542,3 +542,4 @@ def test_the_kl_clip_of_an_overflowing_product_is_zero_not_one() -> None:
     assert kl_clip_scale(math.inf, 0.1, 1e-3) == 0.0
     assert kl_clip_scale(0.0, 0.1, 1e-3) == 1.0 and kl_clip_scale(4.0, 0.0, 1e-3) == 1.0
     assert kl_clip_scale(4.0, 0.5, 0.25) == pytest.approx(0.5)
+    assert kl_clip_scale(1e-300, 1e-200, 1e-3) == 1.0  # the denominator underflows to 0

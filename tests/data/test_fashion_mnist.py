@@ -95,6 +95,7 @@ def test_cache_is_rebuilt_when_the_source_files_change(tiny_fashion_dir: Path,
         ("images", lambda blob: blob["images"].to(torch.float32)),
         ("images", lambda blob: blob["images"][:, :27]),
         ("images", lambda blob: None),
+        ("labels", lambda blob: torch.full_like(blob["labels"], 99)),  # classes are 0-9
     ],
 )
 def test_cache_with_wrong_contents_names_file(tiny_fashion_dir: Path, isolated_cache: Path,
