@@ -1313,10 +1313,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             saved = read_json_file(args.reamortize, "--reamortize")
             try:
                 out = reamortize(saved, args.intervals)
-            except (KeyError, TypeError, AttributeError) as exc:  # JSON of another shape
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:  # another shape
                 raise ConfigError("--reamortize", str(args.reamortize),
-                                  "a results file this script wrote with --json (it lacks "
-                                  f"or misshapes {exc})") from None
+                                  "a results file of this script's current --json format "
+                                  f"(it lacks or misshapes {exc})") from None
         print(tables_markdown({k: out["tables"][k] for k in ("results", "bounds", "targets")}))
         write_json(args.json, out)
         return out

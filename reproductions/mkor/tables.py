@@ -302,9 +302,11 @@ def memory_table(model_name: str, world_size: int, kfac_ranks: int,
 # ----------------------------------------------------------------------------------------------
 # M3 and M4: from results files, and the fine-tuning scripts
 
-#: Configuration fields in which the runs of one M3 comparison differ: which optimizer, the
-#: list the command ran and how often it checkpointed.
-RUN_SPECIFIC = ("optimizer", "optimizers", "checkpoint_every")
+#: Configuration fields in which the runs of one M3 comparison may differ: which optimizer,
+#: the list the command ran, how often it checkpointed, and the config's prose (its
+#: description and the launch command it suggests). The starting weights' path is not among
+#: them: runs from other weights are not one comparison.
+RUN_SPECIFIC = ("optimizer", "optimizers", "checkpoint_every", "description", "launch")
 
 
 def load_runs(results_dir: Path, experiment: str) -> list[dict[str, Any]]:

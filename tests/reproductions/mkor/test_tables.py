@@ -153,6 +153,8 @@ def _committed_runs(tmp_path: Path) -> Path:
     (lambda run: run["config"].update(steps=run["config"]["steps"] - 1),
      "mkor.json: made with steps="),
     (lambda run: run.update(finished=None), "mkor.json: an unfinished run; M3 compares"),
+    (lambda run: run["config"].update(init_checkpoint="/elsewhere/phase1"),
+     "mkor.json: made with init_checkpoint="),
 ])
 def test_m3_refuses_runs_that_were_not_made_alike(
         tmp_path: Path, change: Any, says: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,6 +170,15 @@ def test_m3_refuses_runs_that_were_not_made_alike(
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_m3_compares_runs_whose_config_prose_differs(tmp_path: Path) -> None:
+    """A reworded description or launch line does not change an experiment."""
+    runs = _committed_runs(tmp_path)
+    mkor = json.loads((runs / "mkor.json").read_text())
+    mkor["config"].update(description="reworded", launch="torchrun ...")
+    (runs / "mkor.json").write_text(json.dumps(mkor))
+    assert len(tables.load_runs(runs, "default")) == 5
 
 
 def test_m3_refuses_two_runs_of_one_optimizer(tmp_path: Path) -> None:
