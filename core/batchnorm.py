@@ -129,7 +129,7 @@ class BatchNormBlock:
 
     Args:
         name: The module's qualified name.
-        module: An affine BatchNorm module.
+        module: An affine BatchNorm module, its parameters materialised (not lazy).
         mode: One of :data:`BN_FISHER_MODES`.
         grad_multiplier: Returns what the captured output gradient is multiplied by besides
             the batch size (the accumulation steps, since the loss is divided by them, over the
@@ -138,6 +138,7 @@ class BatchNormBlock:
 
     def __init__(self, name: str, module: _BatchNorm, mode: str,
                  grad_multiplier: Callable[[], float]) -> None:
+        refuse_lazy(name, module)  # its blocks' shapes are unknown until a forward pass
         self.name = name
         self.module = module
         self.mode = mode
@@ -275,7 +276,7 @@ class BatchNormPreconditioner:
             BatchNormBlock(name, module, mode, self._grad_multiplier)
             for name, module in model.named_modules()
             if isinstance(module, _BatchNorm) and module.affine and module.weight.requires_grad
-            and not skipped(name, module, skip_layers) and refuse_lazy(name, module) is None
+            and not skipped(name, module, skip_layers)
         ]
         self.communicator = communicator or Communicator.from_torch()
         self._capturing = self._update_due(0)
