@@ -233,7 +233,9 @@ def _check_vocab_folder(folder: Path, built: bool) -> None:
 
 
 def bert_tokenizer(vocab_dir: Path, model_max_length: int = 512) -> BertTokenizerFast:
-    """Load a lowercase BERT tokenizer from a directory holding ``vocab.txt``.
+    """Load a BERT tokenizer from a directory holding ``vocab.txt``: lowercase, unless the
+    directory's ``tokenizer_config.json`` says otherwise (a cased model's, ``do_lower_case``
+    false, whose capitalised tokens lowercasing would miss).
 
     ``from_pretrained`` is used because transformers 5.x silently ignores ``vocab_file=`` in the
     constructor and returns a five-token vocabulary that maps every word to ``[UNK]``.
@@ -260,7 +262,6 @@ def bert_tokenizer(vocab_dir: Path, model_max_length: int = 512) -> BertTokenize
                                f"delete {vocab_dir} and {fix}")
     return BertTokenizerFast.from_pretrained(
         str(vocab_dir),
-        do_lower_case=True,
         model_max_length=model_max_length,
         local_files_only=True,
     )

@@ -69,7 +69,9 @@ def load_corpus(sources: Sequence[str], *, text_column: str = "text",
         sources: ``["builtin"]``; or local files of one format (.txt, .parquet, .json, .jsonl);
             or one Hugging Face dataset ``name`` or ``name:config`` (its ``train`` split).
         text_column: Column holding the text in parquet/json/Hub data.
-        data_dir: Cache directory override (see :func:`data.paths.data_root`).
+        data_dir: Cache directory override (see :func:`data.paths.data_root`). A Hub dataset
+            is cached where ``datasets`` caches it (``HF_HOME``), so that one downloaded
+            there before (e.g. on a machine with network) is found offline.
 
     Returns:
         The corpus with one ``text`` column (empty lines dropped).
@@ -77,7 +79,8 @@ def load_corpus(sources: Sequence[str], *, text_column: str = "text",
     Raises:
         DataUnavailableError: the built-in corpus cannot be built, or a Hub dataset cannot be
             reached (offline); the message says how to fix it.
-        ConfigError: mixed local formats, an unknown suffix or a missing text column.
+        ConfigError: mixed local formats, an unknown suffix, a folder (the files in it are
+            meant) or a missing text column.
     """
     if list(sources) == ["builtin"]:
         path = english_corpus(data_dir)
@@ -93,13 +96,19 @@ def load_corpus(sources: Sequence[str], *, text_column: str = "text",
         texts = _load_local(paths, kind, text_column, data_dir)
         single = paths[0] if kind == "text" and len(paths) == 1 else None
         return Corpus(texts, single, f"{len(paths)} local {kind} file(s)")
+    folders = [s for s, p in zip(sources, paths, strict=True) if p.is_dir()]
+    if folders:
+        raise ConfigError("corpus", list(sources), f"files, not folders ({folders}): pass the "
+                          "files in them (e.g. DIR/*.parquet); a folder written by "
+                          "Dataset.save_to_disk: datasets.load_from_disk(DIR).to_parquet(FILE) "
+                          "first")
     missing = [s for s, p in zip(sources, paths, strict=True) if not p.exists()]
     if len(sources) != 1 or any(p.exists() for p in paths) or _looks_like_a_path(sources[0]):
         raise ConfigError("corpus", list(sources), f"existing files (missing: {missing}) or "
                           "one Hugging Face dataset name")
     name, _, subset = sources[0].partition(":")
     try:
-        texts = load_dataset(name, subset or None, split="train", cache_dir=_cache_dir(data_dir))
+        texts = load_dataset(name, subset or None, split="train")
     except (ConnectionError, FileNotFoundError, OSError, ValueError) as exc:
         raise DataUnavailableError(
             f"Hugging Face dataset {sources[0]!r} ({type(exc).__name__}: {exc})",

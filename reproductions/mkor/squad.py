@@ -134,14 +134,16 @@ def windows(tokenizer: Any, questions: list[dict[str, Any]], max_len: int,
 def training_features(tokenizer: Any, questions: list[dict[str, Any]], max_len: int,
                       stride: int) -> Dataset:
     """Windows labelled with the answer's token span (the [CLS] token when the answer is not
-    wholly inside the window)."""
+    wholly inside the window). Whitespace around an answer's text (``"Catholic "``) is left
+    out of its span: no token covers it, so the answer would be inside no window."""
     encoded = windows(tokenizer, questions, max_len, stride)
     starts, ends = [], []
     for offsets, example in zip(encoded["offset_mapping"], encoded["overflow_to_sample_mapping"],
                                 strict=True):
         question = questions[example]
-        first = question["answer_start"]
-        last = first + len(question["answers"][0])
+        answer = question["answers"][0]
+        first = question["answer_start"] + len(answer) - len(answer.lstrip())
+        last = question["answer_start"] + len(answer.rstrip())
         inside = [i for i, o in enumerate(offsets) if o is not None and o[0] < last
                   and o[1] > first]
         whole = inside and offsets[inside[0]][0] <= first and offsets[inside[-1]][1] >= last
