@@ -281,7 +281,8 @@ class BatchNormPreconditioner:
         self.communicator = communicator or Communicator.from_torch()
         self._capturing = self._update_due(0)
         self._hooks = [
-            CaptureHooks(block.module, on_pair=block.capture, enabled=lambda: self._capturing)
+            CaptureHooks(block.module, on_pair=block.capture, enabled=lambda: self._capturing,
+                         name=block.name)
             for block in self.blocks
         ]
 

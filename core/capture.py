@@ -4,12 +4,17 @@ The output-tensor hook (rather than ``register_full_backward_hook``) keeps worki
 in-place op (``ReLU(inplace=True)``) rewrites the output: a tensor hook registered before the
 in-place op receives the gradient with respect to the layer's own output. A module called several
 times in one forward pass gets one input and one gradient callback per call; the callbacks
-accumulate, so such a module is supported (its factors average over the calls).
+accumulate, so such a module is supported (its factors average over the calls). A second
+gradient for the same call (a second backward pass over one forward pass, or
+``torch.autograd.grad`` before ``backward``) is passed on too, with a warning: the statistics
+take it as another call's, not as part of the one gradient the optimizer applies.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,6 +39,7 @@ class CaptureHooks:
             (BatchNorm's normalised input times its gradient). The input is held by the hook on
             that call's output, so a call whose output gets no gradient holds nothing once the
             output is freed.
+        name: The layer's name in the model, for warnings (default: its type's).
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class CaptureHooks:
         on_grad_output: Callable[[Tensor], None] | None = None,
         enabled: Callable[[], bool] = lambda: True,
         on_pair: Callable[[Tensor, Tensor], None] | None = None,
+        name: str = "",
     ) -> None:
         separate = on_input is not None and on_grad_output is not None
         paired = on_pair is not None and on_input is None and on_grad_output is None
@@ -52,6 +59,7 @@ class CaptureHooks:
         self._on_grad_output = on_grad_output
         self._on_pair = on_pair
         self._enabled = enabled
+        self._name = name or type(module).__name__
         self._handle: RemovableHandle = module.register_forward_hook(self._forward_hook,
                                                                      with_kwargs=True)
 
@@ -70,19 +78,33 @@ class CaptureHooks:
                             "positional or the `input` keyword argument; call it with the input "
                             "first, or skip this layer with skip_layers")
         x = x.detach()
-        on_pair = self._on_pair
-        if on_pair is not None:
-            if output.requires_grad:
-                output.register_hook(lambda grad: on_pair(x, grad.detach()))
+        if self._on_pair is not None:
+            deliver = partial(self._on_pair, x)
+        else:
+            assert self._on_input is not None and self._on_grad_output is not None
+            self._on_input(x)
+            deliver = self._on_grad_output
+        if not output.requires_grad:
             return
-        assert self._on_input is not None
-        self._on_input(x)
-        if output.requires_grad:
-            output.register_hook(self._grad_hook)
+        received = False
 
-    def _grad_hook(self, grad: Tensor) -> None:
-        assert self._on_grad_output is not None
-        self._on_grad_output(grad.detach())
+        def grad_hook(grad: Tensor) -> None:
+            nonlocal received
+            if received:
+                self._warn_second_gradient()
+            received = True
+            deliver(grad.detach())
+
+        output.register_hook(grad_hook)
+
+    def _warn_second_gradient(self) -> None:
+        warnings.warn(
+            f"{self._name}: a second gradient reached the output of one forward call "
+            "(backward(retain_graph=True) called again, or torch.autograd.grad through it "
+            "before backward); the curvature takes each gradient as a call of its own, not "
+            "their sum, so it does not describe the gradient the optimizer applies: sum the "
+            "losses and call backward once per forward pass, and take other gradients on a "
+            "separate forward pass", stacklevel=2)
 
     def remove(self) -> None:
         """Detach the hooks from the module."""

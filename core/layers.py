@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from core import conv_gram
 
@@ -184,17 +185,19 @@ class LayerHelper:
         """Write a ``(g_dim, a_dim)`` matrix (times ``scale``, if given) into ``.grad`` of
         weight and bias.
 
-        Without a bias the weight's gradient becomes a view of ``matrix``, which ``scale``
-        then multiplies in place (so pass a matrix the caller owns). With a bias the columns
-        are copied, scaled on the way, into the existing ``.grad`` tensors where they fit (no
-        fresh buffers to allocate and fault in every step).
+        Without a bias the weight's gradient becomes a view of ``matrix`` (a copy for a weight
+        in another memory layout, such as channels-last), which ``scale`` then multiplies in
+        place (so pass a matrix the caller owns). With a bias the columns are copied, scaled
+        on the way, into the existing ``.grad`` tensors where they fit (no fresh buffers to
+        allocate and fault in every step). Gradients keep their parameter's memory layout
+        (:func:`_in_layout`).
         """
         weight = self.weight
         w_cols = weight[0].numel()
         if not self.has_bias:
             if scale is not None:
                 matrix = matrix.mul_(scale)
-            weight.grad = matrix.reshape(weight.shape).to(weight.dtype).contiguous()
+            weight.grad = _in_layout(weight, matrix.reshape(weight.shape))
             return
         _write_grad(weight, matrix[:, :w_cols], scale)
         _write_grad(self.module.bias, matrix[:, w_cols], scale)  # type: ignore[arg-type]
@@ -223,12 +226,13 @@ class LayerHelper:
 def _add_outer_into(param: Tensor, part: Tensor, u: Tensor, v: Tensor, beta: float,
                     alpha: float) -> None:
     """``param.grad = β·part + α·u vᵀ`` (in ``param``'s shape): in place when ``part`` is the
-    contiguous ``.grad`` itself, else through :func:`_write_grad`; nothing for a frozen
-    parameter."""
+    contiguous ``.grad`` of a contiguous ``param`` itself, else through :func:`_write_grad`;
+    nothing for a frozen parameter."""
     if not param.requires_grad:
         return
     grad = param.grad
-    if (grad is not None and part.dtype == grad.dtype and grad.is_contiguous()
+    if (grad is not None and part.dtype == grad.dtype and param.is_contiguous()
+            and grad.is_contiguous()
             and part.data_ptr() == grad.data_ptr() and part.numel() == grad.numel()):
         part.addr_(u, v, beta=beta, alpha=alpha)
     else:
@@ -236,15 +240,15 @@ def _add_outer_into(param: Tensor, part: Tensor, u: Tensor, v: Tensor, beta: flo
 
 
 def _write_grad(param: Tensor, value: Tensor, scale: Tensor | float | None) -> None:
-    """``param.grad = value · scale`` (contiguous), written into the current ``.grad`` when it
-    has the right shape and dtype and does not share memory with ``value``; nothing for a
-    frozen parameter."""
+    """``param.grad = value · scale`` (in ``param``'s memory layout), written into the current
+    ``.grad`` when it has the right shape, dtype and layout and does not share memory with
+    ``value``; nothing for a frozen parameter."""
     if not param.requires_grad:
         return
     value = value.reshape(param.shape)
     grad = param.grad
     if (grad is not None and grad.shape == param.shape and grad.dtype == param.dtype
-            and grad.is_contiguous()
+            and _laid_out_like(param, grad)
             and grad.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()):
         if scale is None:
             grad.copy_(value)
@@ -253,7 +257,26 @@ def _write_grad(param: Tensor, value: Tensor, scale: Tensor | float | None) -> N
         return
     if scale is not None:
         value = value * scale
-    param.grad = value.to(param.dtype).contiguous()
+    param.grad = _in_layout(param, value)
+
+
+def _laid_out_like(param: Tensor, tensor: Tensor) -> bool:
+    """Whether ``tensor`` (of ``param``'s shape) has ``param``'s memory layout: contiguous for
+    a contiguous parameter, else the same strides (a channels-last convolution weight)."""
+    return tensor.is_contiguous() if param.is_contiguous() else tensor.stride() == param.stride()
+
+
+def _in_layout(param: Tensor, value: Tensor) -> Tensor:
+    """``value`` (of ``param``'s shape) in ``param``'s dtype and memory layout: itself where it
+    already is, else a copy.
+
+    Autograd lays a gradient out like its parameter, and PyTorch's fused optimizers
+    (``Adam(fused=True)``) read the two tensors' memory in step: a contiguous gradient of a
+    channels-last weight gets its entries applied to the wrong weights, silently.
+    """
+    if value.dtype == param.dtype and _laid_out_like(param, value):
+        return value
+    return torch.empty_like(param).copy_(value)
 
 
 class LinearHelper(LayerHelper):
@@ -416,6 +439,17 @@ def refuse_lazy(name: str, module: nn.Module) -> None:
             "preconditioner, or skip it with skip_layers")
 
 
+def computed_weight(module: nn.Module) -> bool:
+    """Whether ``module.weight`` is computed from other parameters rather than being one
+    itself: a ``torch.nn.utils.parametrize`` parametrization (``parametrizations.weight_norm``,
+    ``spectral_norm``), or a tensor set by a forward pre-hook (the older
+    ``torch.nn.utils.weight_norm``). Autograd then never writes the weight's ``.grad``."""
+    if parametrize.is_parametrized(module, "weight"):
+        return True
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, Tensor) and weight.requires_grad and not weight.is_leaf
+
+
 def register_helper(module_type: type[nn.Module], helper: type[LayerHelper]) -> None:
     """Support another module type (e.g. a BatchNorm Fisher block in a reproduction)."""
     _HELPERS[module_type] = helper
@@ -429,11 +463,19 @@ def helper_for(module: nn.Module, name: str = "") -> LayerHelper | None:
     return None, so the layer is left first-order rather than preconditioned wrongly. So does
     a subclass of a supported type: its forward may differ from its base's (PyTorch's
     ``MultiheadAttention`` never calls its ``out_proj``), so it is supported only once
-    registered. A lazy one (``LazyLinear``) is refused (:func:`refuse_lazy`).
+    registered. A lazy one (``LazyLinear``) is refused (:func:`refuse_lazy`). One whose weight
+    is computed from other parameters (:func:`computed_weight`) warns and stays first-order.
     """
     helper_type = _HELPERS.get(type(module))
+    bases = [t for t in _HELPERS if isinstance(module, t)]
+    if bases and computed_weight(module):
+        warnings.warn(f"{name or type(module).__name__}: its weight is computed from other "
+                      "parameters (weight_norm, spectral_norm or another parametrization), "
+                      "which get the gradient the optimizer applies, not the weight, so it "
+                      "stays first-order; remove the parametrization to precondition it, or "
+                      "skip it with skip_layers", stacklevel=3)
+        return None
     if helper_type is None:
-        bases = [t for t in _HELPERS if isinstance(module, t)]
         if bases:
             refuse_lazy(name, module)
         weight = getattr(module, "weight", None)

@@ -187,6 +187,7 @@ class KFACPreconditioner:
                             if self.config.factors_in_backward else layer.capture_grad_output),
             enabled=lambda: (self._capturing and captures
                              and not self.disabled_stages & {"capture", "factors"}),
+            name=layer.name,
         )
 
     def _factors_in_backward(self, layer: KFACLayer, gy: Tensor) -> None:

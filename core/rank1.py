@@ -247,7 +247,8 @@ class Rank1Preconditioner:
                 layer.capture_grad_output(gy)
 
         return CaptureHooks(layer.helper.module, on_input=on_input,
-                            on_grad_output=on_grad_output, enabled=lambda: self._capturing)
+                            on_grad_output=on_grad_output, enabled=lambda: self._capturing,
+                            name=layer.name)
 
     def _grad_multiplier(self) -> float:
         """``accumulation_steps / loss_scale``: undo the loss division and the AMP scale.
