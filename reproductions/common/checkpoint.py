@@ -21,6 +21,7 @@ import os
 import re
 import tempfile
 import warnings
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,18 @@ def _reason(exc: Exception) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     detail = [line for line in lines if line.startswith("WeightsUnpickler error:")]
     return (detail or lines or [""])[0]
+
+
+def _check_crc(path: Path) -> None:
+    """Raise ValueError when a member of the checkpoint's zip archive fails its CRC-32.
+
+    ``torch.load`` does not check the CRCs, so bytes damaged inside a tensor (a bad disk or copy)
+    would load as wrong numbers without any error.
+    """
+    with zipfile.ZipFile(path) as archive:
+        damaged = archive.testzip()
+    if damaged is not None:
+        raise ValueError(f"{damaged} fails its CRC-32 check: the file is damaged")
 
 
 def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> Path:
@@ -201,9 +214,9 @@ def load_newest_checkpoint(directory: Path, map_location: str | torch.device = "
                            at_most: int | None = None) -> tuple[int, dict] | None:
     """Load the newest readable checkpoint in ``directory`` (of a step <= ``at_most``).
 
-    A newer file that cannot be read (truncated, corrupt, not a dict, or holding objects that
-    ``weights_only`` loading refuses, such as pickled callables) produces a warning naming it,
-    and the next older one is tried.
+    A newer file that cannot be read (truncated, corrupt, bytes that fail the archive's CRC-32,
+    not a dict, or holding objects that ``weights_only`` loading refuses, such as pickled
+    callables) produces a warning naming it, and the next older one is tried.
 
     Args:
         directory: Where :func:`save_checkpoint` wrote.
@@ -226,6 +239,7 @@ def load_newest_checkpoint(directory: Path, map_location: str | torch.device = "
             state = torch.load(path, map_location=map_location, weights_only=True)
             if not isinstance(state, dict):
                 raise TypeError(f"holds a {type(state).__name__}, not a dict")
+            _check_crc(path)
         except Exception as exc:  # noqa: BLE001 - any failure means "this file is unusable"
             reason = f"{type(exc).__name__}: {_reason(exc)}"
             failures.append(f"{path} ({reason})")

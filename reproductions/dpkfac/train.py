@@ -249,7 +249,9 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     recorder = RunRecorder(paper=PAPER, experiment=config.experiment, optimizer=name,
                            config=run_config, world_size=ctx.world_size, device=ctx.device)
     checkpoints = run_dir / "checkpoints" / f"{config.experiment}-{name}" / f"rank{ctx.rank}"
-    state = load_agreed_checkpoint(checkpoints, ctx.device)
+    state = load_agreed_checkpoint(checkpoints, ctx.device,
+                                   fix="pass another --run-dir (or delete this one) to start "
+                                       "afresh")
     step, elapsed, run_id = 0, 0.0, None
     stage_time = StageTimer()
     if state is not None:  # an interrupted run of these settings continues
@@ -286,7 +288,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
             "stage_time": dict(stage_time.totals), "ledger": communicator.ledger.state_dict(),
             "precond_stage_time": {} if precond is None else dict(precond.timer.totals),
             "results": recorder.data if ctx.is_main else None,
-            "config": recorder.data["config"]})
+            "config": recorder.data["config"], "world_size": ctx.world_size})
         if ctx.is_main:
             recorder.write(out_file)
 

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="continue each run from its newest checkpoint (implied after a "
                              "torchrun restart); finished runs are kept; without it, earlier "
-                             "checkpoints of these runs are deleted")
+                             "checkpoints and results of these runs are deleted")
     parser.add_argument("--stop-after", type=positive_int, metavar="N", dest="stop_after",
                         help="stop each run after N steps of this invocation, with a "
                              "checkpoint (for wall-time-limited jobs; continue with --resume)")
@@ -371,6 +371,21 @@ def run_dir(out: Path, cfg: PretrainConfig, name: str) -> Path:
     return out / cfg.experiment / f"{name}-s{cfg.seed}"
 
 
+def clear_earlier_runs(directories: list[Path], ctx: DistContext) -> None:
+    """Delete what earlier runs left in these run directories: checkpoints (of any rank and world
+    size), which would outrank a fresh run's own, the model, and the results file, whose settings
+    a ``--resume`` of the fresh run would otherwise be checked against.
+    """
+    if ctx.is_main:
+        for here in directories:
+            for stale in (here / "checkpoints", here / "model"):
+                if stale.exists():
+                    shutil.rmtree(stale)
+            (here / "results.json").unlink(missing_ok=True)
+    if ctx.world_size > 1:
+        torch.distributed.barrier()  # no rank saves before they are gone
+
+
 def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Namespace,
           examples: tuple[Any, Any], tokenizer: Any) -> dict[str, Any]:
     """Train with optimizer ``name`` for ``cfg.steps`` steps; returns the results data.
@@ -391,13 +406,8 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         require_same_config(done["config"], run_config, here, together=False, **RESUME_CHECK)
         if done["finished"] and done["steps"] and done["steps"][-1]["step"] == cfg.steps - 1:
             return done
-    if not resume:  # a fresh run: older checkpoints (of any rank and world size) outrank its own
-        if ctx.is_main:
-            for stale in (here / "checkpoints", here / "model"):
-                if stale.exists():
-                    shutil.rmtree(stale)
-        if ctx.world_size > 1:
-            torch.distributed.barrier()  # no rank saves before they are gone
+    if not resume:
+        clear_earlier_runs([here], ctx)
 
     # Same weights, batches, masks and dropout for every optimizer.
     seed_everything(cfg.seed)
@@ -616,6 +626,10 @@ def _compare(cfg: PretrainConfig, args: argparse.Namespace) -> list[dict[str, An
         torch.set_num_threads(args.threads)
     runs: list[dict[str, Any]] = []
     try:
+        if not (args.resume or ctx.restarts > 0):
+            # every run's up front, not each as it starts: a --resume of this invocation must
+            # not meet an earlier invocation's state in the runs it had not reached
+            clear_earlier_runs([run_dir(args.out, cfg, name) for name in cfg.optimizers], ctx)
         if cfg.warm_start is not None and cfg.init_checkpoint is None:
             start = warm_start(cfg, ctx, args)
             if start is None:

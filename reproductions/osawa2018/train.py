@@ -209,6 +209,11 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
     stop = total if max_steps is None else min(total, max_steps)
     every = config.eval_every_epochs
     next_eval = (math.floor(trainer.epoch / every + 1e-9) + 1) * every
+    if state is not None and trainer.step >= stop and ctx.is_main:
+        # Nothing left to train: the run was stopped after its last checkpoint, perhaps before
+        # the results file (written after it) caught up with it.
+        recorder.write(out / "results.json")
+        tracker.summary(recorder.data["summary"])
     bar = tqdm(total=total, initial=trainer.step, disable=not (ctx.is_main and progress),
                desc=f"{config.name} {config.optimizer} B={config.batch_size}", unit="step")
     while trainer.step < stop:
