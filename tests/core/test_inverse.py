@@ -543,3 +543,25 @@ def test_the_kl_clip_of_an_overflowing_product_is_zero_not_one() -> None:
     assert kl_clip_scale(0.0, 0.1, 1e-3) == 1.0 and kl_clip_scale(4.0, 0.0, 1e-3) == 1.0
     assert kl_clip_scale(4.0, 0.5, 0.25) == pytest.approx(0.5)
     assert kl_clip_scale(1e-300, 1e-200, 1e-3) == 1.0  # the denominator underflows to 0
+
+
+def test_a_factor_with_thousands_of_zero_rows_is_decomposed() -> None:
+    """The ``A`` of a 3x3 convolution over 1x1-pixel inputs: only the centre tap of each of 256
+    channels is ever non-zero, so 2,048 of its 2,304 rows are zero, and LAPACK's divide and
+    conquer failed to converge on it in fp32 and in fp64 (the layer was left first-order). The
+    damped inverse from the eigenbasis equals the float64 dense one."""
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(1), dtype=torch.float64).abs()
+    centre = torch.arange(256) * 9 + 4
+    factor = torch.zeros(2304, 2304, dtype=torch.float64)
+    factor[centre.unsqueeze(1), centre] = x.T @ x / 4
+    q, d = eigen_decompose(factor.float(), torch.float32)
+    assert bool((d[1:] >= d[:-1]).all())
+    damping = 1e-2
+    expected = torch.linalg.inv(factor + damping * torch.eye(2304, dtype=torch.float64))
+    got = (q.double() / (d.double() + damping)) @ q.double().T
+    assert float((got - expected).norm() / expected.norm()) < 1e-3  # fp32: 1.4e-4
+
+
+def test_an_all_zero_factor_has_the_identity_as_eigenbasis() -> None:
+    q, d = eigen_decompose(torch.zeros(5, 5), torch.float32)
+    assert torch.equal(q, torch.eye(5)) and torch.equal(d, torch.zeros(5))
