@@ -54,6 +54,19 @@ def _wire_view(tensor: Tensor, pack: bool) -> Tensor:
     return tensor.reshape(-1).index_select(0, upper)
 
 
+def _span(parts: Sequence[Tensor]) -> Tensor | None:
+    """One flat view over 1-D ``parts`` that lie back to back in one storage, in order; None
+    where they do not."""
+    first = parts[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for part in parts:
+        if (part.untyped_storage().data_ptr() != storage or part.dtype != first.dtype
+                or part.storage_offset() != offset or (part.numel() > 1 and part.stride(0) != 1)):
+            return None
+        offset += part.numel()
+    return first.as_strided((offset - first.storage_offset(),), (1,))
+
+
 def _store(tensor: Tensor, segment: Tensor, pack: bool) -> None:
     """Write a received (possibly packed) segment into ``tensor``."""
     segment = segment.to(tensor.dtype)
@@ -87,7 +100,8 @@ class _Payload:
         """Concatenate (and pre-scale, and cast) the wire form of the tensors.
 
         A single unpacked tensor is sent through a view of itself, without a copy, unless it
-        is scaled or cast.
+        is scaled or cast; so are unpacked tensors that lie back to back in one buffer, in
+        order (receive buffers carved from one allocation).
         """
         parts = [_wire_view(t, p) for t, p in zip(self.tensors, self.packed, strict=True)]
         if not parts:
@@ -96,6 +110,8 @@ class _Payload:
         elif len(parts) == 1:
             flat = parts[0] if scale is None else parts[0] / scale
             self.borrowed = scale is None and not self.packed[0]
+        elif scale is None and not any(self.packed) and (span := _span(parts)) is not None:
+            flat, self.borrowed = span, True
         else:
             flat = torch.cat(parts)
             if scale is not None:
@@ -111,7 +127,9 @@ class _Payload:
         return bool(self.tensors) and self.flat.dtype != self.tensors[0].dtype
 
     def unpack(self) -> None:
-        """Copy the flat buffer back into the tensors."""
+        """Copy the flat buffer back into the tensors (nothing to do where it is their memory)."""
+        if self.borrowed:
+            return
         offset = 0
         for tensor, pack in zip(self.tensors, self.packed, strict=True):
             n = tensor.shape[0] * (tensor.shape[0] + 1) // 2 if pack else tensor.numel()

@@ -177,11 +177,17 @@ class DistributedStrategy(Strategy):
             dtypes[layer.name] = tuple(wide if code == 1 else narrow for code in row)
         return dtypes
 
-    def _receive_buffer(self, layer: KFACLayer) -> Tensor:
-        """A fresh tensor for ``layer``'s preconditioned gradient, counted in the buffers."""
-        buffer = torch.empty(layer.g_dim, layer.a_dim, dtype=self.dtype, device=layer.device)
-        self._received_bytes += buffer.numel() * buffer.element_size()
-        return buffer
+    def _receive_buffers(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
+        """Put fresh tensors for ``layers``' preconditioned gradients into ``grads``, counted in
+        the buffers: views of one allocation, back to back in order, which a collective
+        receives into directly (without a flat copy of its own)."""
+        if not layers:
+            return
+        sizes = [layer.g_dim * layer.a_dim for layer in layers]
+        flat = torch.empty(sum(sizes), dtype=self.dtype, device=layers[0].device)
+        self._received_bytes += flat.numel() * flat.element_size()
+        for layer, part in zip(layers, flat.split(sizes), strict=True):
+            grads[layer.name] = part.view(layer.g_dim, layer.a_dim)
 
 
 class DKFACStrategy(DistributedStrategy):
@@ -289,17 +295,17 @@ class KAISAStrategy(DistributedStrategy):
         self._received_bytes = 0
         if len(self.row) == 1:
             return
-        by_src: dict[int, list[Tensor]] = {}
+        by_src: dict[int, list[KFACLayer]] = {}
         for layer in layers:
-            if not self.ready[layer.name]:
-                continue
-            src = next(r for r in self.row if r in self.placement(layer).group)
+            if self.ready[layer.name]:
+                src = next(r for r in self.row if r in self.placement(layer).group)
+                by_src.setdefault(src, []).append(layer)
+        for src, sent in by_src.items():
             if src != self.rank:
-                grads[layer.name] = self._receive_buffer(layer)
-            by_src.setdefault(src, []).append(grads[layer.name])
-        pending = [self.communicator.start_broadcast(tensors, src=src, stage="grad_comm",
-                                                     group=self.row)
-                   for src, tensors in by_src.items()]
+                self._receive_buffers(sent, grads)
+        pending = [self.communicator.start_broadcast([grads[layer.name] for layer in sent],
+                                                     src=src, stage="grad_comm", group=self.row)
+                   for src, sent in by_src.items()]
         for p in pending:
             p.wait()
 
@@ -363,9 +369,9 @@ class OsawaStrategy(DistributedStrategy):
     def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
         self._received_bytes = 0
         ready = [layer for layer in layers if self.ready[layer.name]]
-        for layer in ready:
-            if self.owner(layer) != self.rank:
-                grads[layer.name] = self._receive_buffer(layer)
+        for r in range(self.world_size):
+            if r != self.rank:
+                self._receive_buffers(self._owned(ready, r), grads)
         segments = [[grads[layer.name] for layer in self._owned(ready, r)]
                     for r in range(self.world_size)]
         self.communicator.all_gather_v(segments, stage="grad_comm")

@@ -83,3 +83,14 @@ def test_resnet50_per_rank_work(resnet50: nn.Module) -> None:
         owned = tuple(w.name for i, w in enumerate(report.layers) if i % 64 == rank.rank)
         assert rank.captured == rank.preconditioned == owned
         assert rank.inverted == tuple((name, side) for name in owned for side in "ag")
+
+
+def test_received_gradients_are_held_once_not_again_in_a_flat_copy() -> None:
+    """DP-KFAC on 2 ranks, each owning 2 of 4 identical layers (9 x 8 = 72 elements): a rank
+    holds the other's two preconditioned gradients once (576 B), received straight into their
+    tensors, plus the flat copy of its own two that it sends (576 B). Receiving into a separate
+    flat buffer held the other's a second time (1,728 B, as the reference code's per-layer
+    in-place broadcasts never do)."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    report = simulate(model, "dp-kfac", 2, average_grads=False)
+    assert report.memory("buffers") == [2 * 2 * 72 * 4] * 2
