@@ -32,3 +32,9 @@ def test_kfac_beats_sgd_after_the_same_steps(subsets: tuple[TensorDataset, Tenso
     assert kfac.final_loss < sgd.final_loss, (kfac.final_loss, sgd.final_loss)
     assert "| K" not in demo.comparison_table([sgd])  # the table lists exactly the runs given
     assert demo.comparison_table([sgd, kfac]).count("\n") == 3
+
+
+def test_the_loss_columns_average_the_tenth_of_the_steps_ending_there() -> None:
+    run = demo.RunResult("sgd", [float(i) for i in range(1, 21)], 0.5, 1.0)
+    assert (run.loss_at(0.25), run.loss_at(0.5), run.final_loss) == (4.5, 9.5, 19.5)
+    assert "| sgd | 4.5000 | 9.5000 | 19.5000 | 50.00% | 1.0 |" in demo.comparison_table([run])
