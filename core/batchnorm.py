@@ -206,16 +206,13 @@ class BatchNormBlock:
             warnings.warn(f"{self.name}: {err}; keeping the last good inverse "
                           f"({self.failures} failures so far)", stacklevel=2)
 
-    def precondition(self) -> bool:
-        """Replace the gradient by ``(F + λI)⁻¹ ∇``; False (gradient kept) if not possible."""
+    def preconditioned(self) -> Tensor | None:
+        """``(F + λI)⁻¹ ∇`` as block vectors, or None without a gradient or an inverse (its
+        finiteness is the caller's to check, for all layers in one host transfer)."""
         grad = self.grad_blocks()
         if grad is None or self.inverse is None:
-            return False
-        result = torch.einsum("kij,kj->ki", self.inverse, grad)
-        if not bool(torch.isfinite(result).all()):
-            return False
-        self.set_grad(result)
-        return True
+            return None
+        return torch.einsum("kij,kj->ki", self.inverse, grad)
 
 
 class BatchNormPreconditioner:
@@ -304,8 +301,21 @@ class BatchNormPreconditioner:
             for block, batch in zip(self.blocks, batches, strict=True):
                 if batch is not None:  # a layer no rank ran this step keeps its blocks
                     block.update(batch, decay, damping)
-        self.last_preconditioned = sum(block.precondition() for block in self.blocks)
+        self._precondition()
         self._end_step()
+
+    def _precondition(self) -> None:
+        """Replace every layer's gradient by its preconditioned one where that is finite (the
+        others keep theirs), read for all layers in one host transfer: one per layer stalled
+        a GPU's kernel launches at every BatchNorm layer, every step."""
+        results = [(block, result) for block in self.blocks
+                   if (result := block.preconditioned()) is not None]
+        finite = (torch.stack([result.isfinite().all() for _, result in results]).tolist()
+                  if results else [])
+        for (block, result), ok in zip(results, finite, strict=True):
+            if ok:
+                block.set_grad(result)
+        self.last_preconditioned = sum(finite)
 
     def skip_step(self) -> None:
         """Account for a step whose optimizer update was skipped without :meth:`step` running

@@ -12,6 +12,7 @@ Four methods (KFAC_MATH.md "Inversion and damping"):
 
 Failure policy: a decomposition that raises or returns non-finite values is retried in fp64; if
 that fails too, :class:`DecompositionError` is raised and the caller keeps its last good state.
+Running out of device memory, and device errors, are raised as they are.
 """
 
 from __future__ import annotations
@@ -207,11 +208,16 @@ def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matr
 
     The fp64 result is cast back to ``dtype`` and must be finite there too: the damped inverse
     of a singular factor can exceed fp32's range (a tiny damping), and is then a failure.
+    Running out of device memory, or a device error, is no failure of the matrix and is
+    raised as it is: taken for one, it was retried in fp64 (twice the memory) and then left
+    the layer first-order with a warning at every inversion, the run going on.
     """
     errors = []
     for attempt in dict.fromkeys([dtype, torch.float64]):
         try:
             out = tuple(t.to(dtype) for t in fn(matrix.to(attempt)))
+        except (torch.OutOfMemoryError, torch.AcceleratorError):
+            raise
         except RuntimeError as err:  # torch.linalg.LinAlgError is a RuntimeError
             errors.append(f"{attempt}: {err}")
             continue

@@ -78,8 +78,9 @@ def init_distributed(device: str = "auto") -> DistContext:
     a restarted group reading the failed attempt's addresses would connect to dead workers.
 
     Args:
-        device: ``"auto"`` (``cuda:<local_rank>`` when CUDA is available, else CPU), ``"cpu"``
-            or ``"cuda"``.
+        device: ``"auto"`` (``cuda:<local_rank>`` when CUDA is available, else CPU; in a
+            process that has joined a group already, such as a :func:`run_local` worker, the
+            device of that group's backend: CUDA with NCCL, else CPU), ``"cpu"`` or ``"cuda"``.
 
     Returns:
         The :class:`DistContext`.
@@ -93,6 +94,8 @@ def init_distributed(device: str = "auto") -> DistContext:
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
+    if device == "auto" and dist.is_available() and dist.is_initialized():
+        device = "cuda" if "nccl" in dist.get_backend() else "cpu"
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("device", device, "cpu or auto: no CUDA device here")

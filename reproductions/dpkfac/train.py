@@ -371,8 +371,9 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
 
 def run(names: list[str], config: TrainConfig, out: Path, run_dir: Path,
         data_dir: str | None, wandb_mode: str) -> list[dict[str, Any]]:
-    """Train every optimizer in turn in this (already joined) process."""
-    ctx = init_distributed()
+    """Train every optimizer in turn in this (already joined) process, on the CPU (gloo under
+    ``torchrun`` too): the model, the data and the sums over workers stay there."""
+    ctx = init_distributed("cpu")
     results = [train_one(name, config, ctx, out=out, run_dir=run_dir, data_dir=data_dir,
                          wandb_mode=wandb_mode) for name in names]
     finished()
