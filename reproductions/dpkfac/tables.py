@@ -97,7 +97,8 @@ PAPER_BREAKDOWN = {
 
 INFINIBAND_100G = AlphaBeta(
     alpha_s=10e-6, bandwidth=100e9 / 8,
-    label="100 Gb/s InfiniBand (the paper's cluster, PAPERS.md §4.3): α = 10 µs per message "
+    label="100 Gb/s InfiniBand (what the paper's scripts suggest for its cluster, inferred: "
+          "PAPERS.md §4.3): α = 10 µs per message "
           "step (a typical NCCL small-message latency, assumed), β = 12.5 GB/s (the line rate: "
           "an optimistic bandwidth), one GPU per link, no faster intra-node links")
 """The network of D4 (``--alpha-us`` and ``--bandwidth-gbit`` change it)."""
@@ -255,7 +256,7 @@ def compute_table(results: Sequence[ModelResult], world_size: int, method: str,
         "D3", f"Computation of the busiest worker per second-order update, P = {world_size}",
         "exact",
         ["model", "scheme", "paper", *(f"ours: {c}" for c in (
-            "busiest rank (FLOPs)", "factor construction (GFLOP)", "inversion (GFLOP)",
+            "busiest rank (by FLOPs)", "factor construction (GFLOP)", "inversion (GFLOP)",
             "total (GFLOP)", "factor construction (s, here)", "inversion (s, here)",
             "total (s, here)"))], rows,
         f"FLOPs of the worker with the most factor construction + inversion, from the "

@@ -329,6 +329,7 @@ def communication_table(gpu_counts: tuple[int, ...] = GPU_COUNTS) -> Table:
          "ours: total, mean (MB)", "ours: total, max (MB)", "ours: K-FAC state, max (MB)",
          "ours: batch factors (MB)"],
         rows,
+        "MB = 10⁶ bytes, per worker per second-order update. "
         "From `core.distributed.simulate`: the strategies' own code against a recording "
         "transport (torchvision ResNet-50 on the meta device; fp32 on the wire; upper "
         "triangles of the factors; Cholesky inverses; π damping; every strategy updates "

@@ -54,6 +54,10 @@ def test_quick_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     d4 = by_id["D4"]
     for row in d4.rows:
         assert row[-1] == pytest.approx(sum(row[3:-1]))
+    # D3's rank column holds a rank, not a FLOP count ("busiest rank (FLOPs)" read as a unit)
+    assert "ours: busiest rank (by FLOPs)" in by_id["D3"].columns
+    # The paper's network is inferred from its scripts' log names, not stated (PAPERS.md §4.3)
+    assert "the paper's cluster," not in d4.notes and "inferred" in d4.notes
     assert by_id["D5"].rows == []
 
 

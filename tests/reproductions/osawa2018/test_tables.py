@@ -68,6 +68,7 @@ def test_simulated_per_worker_traffic_of_the_three_osawa_accountings() -> None:
     assert [row[1] for row in table.rows][:3] == [
         "osawa (this code)", "osawa, paper's design", "osawa, chainerkfac as coded"]
     assert len(table.rows) == 7 and table.column("paper (MB)") == [None] * 7
+    assert "MB = 10⁶ bytes" in table.notes  # not MiB: O4's MB were undefined
     # at 128 GPUs, one worker per layer and one idle worker standing for the other 74
     ranks, weights = tables.representative_ranks(model, "osawa", 128, options)
     assert ranks == list(range(55)) and weights == [1] * 54 + [74]
