@@ -89,18 +89,21 @@ class SymmetricGram:
 
 
 @traced("batch_finiteness_check")
-def gram_diagonal_checks(factors: Sequence[Tensor]) -> tuple[bool, bool]:
-    """Whether every batch factor is finite, and whether the first is all zeros, read from
-    their diagonals alone in one host transfer.
+def gram_diagonal_checks(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[bool, bool]]:
+    """For each layer's ``(A, G)`` batch factors: whether both are finite, and whether ``A`` is
+    all zeros, read from their diagonals alone, for every pair in one host transfer (one per
+    layer would make the host wait for a GPU at every layer).
 
     A batch factor is a sum of Gram matrices, so ``|F_ij| <= sqrt(F_ii F_jj)``: it is finite
     exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too), and zero
     exactly when its diagonal is (no row, or only zero rows, went into it).
     """
-    diagonals = [f.diagonal() for f in factors]
-    flags = torch.stack([d.isfinite().all() for d in diagonals] + [diagonals[0].any()])
-    *finite, nonzero = flags.tolist()
-    return all(finite), not nonzero
+    flags = []
+    for a, g in pairs:
+        flags += [a.diagonal().isfinite().all() & g.diagonal().isfinite().all(),
+                  a.diagonal().any()]
+    values = torch.stack(flags).tolist() if flags else []
+    return [(values[i], not values[i + 1]) for i in range(0, len(values), 2)]
 
 
 def _feature_major(rows: Tensor) -> Tensor:

@@ -183,17 +183,24 @@ class KFACLayer(PreconditionedLayer):
         """:meth:`discard_batch_factors` (the step prologue's name for it)."""
         self.discard_batch_factors()
 
-    def update_running_factors(self, decay: float) -> None:
+    def update_running_factors(self, decay: float,
+                               checked: tuple[bool, bool] | None = None) -> None:
         """Blend the staged batch factors into the running averages; skip non-finite ones,
         and averages across ranks whose ``A`` is zeros (no rank captured the layer: ``A``, a
         mean of input rows, is zero only then, or for all-zero inputs, where ``G`` may be
-        zeros legitimately, its gradients rounded away on a narrow wire)."""
+        zeros legitimately, its gradients rounded away on a narrow wire).
+
+        Args:
+            decay: Weight of the running averages.
+            checked: The staged factors' :func:`~core.factors.gram_diagonal_checks`, where
+                the caller read them for many layers at once (else they are read here).
+        """
         batch_a, batch_g = self.batch_a, self.batch_g
         reduced, self.reduced = self.reduced, False
         self.batch_a = self.batch_g = None
         if batch_a is None or batch_g is None:
             return
-        finite, zero = gram_diagonal_checks((batch_a, batch_g))
+        finite, zero = checked or gram_diagonal_checks([(batch_a, batch_g)])[0]
         if not finite:
             self.nonfinite_factor_skips += 1
             warnings.warn(f"{self.name}: non-finite factor batch skipped "

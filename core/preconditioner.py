@@ -25,6 +25,7 @@ from core.config import (
     skipped,
     update_due,
 )
+from core.factors import gram_diagonal_checks
 from core.inverse import SIDES, STATE_TYPES, all_finite, kl_clip_scale, kl_product
 from core.kfac_layer import KFACLayer
 from core.layer_base import (
@@ -430,10 +431,15 @@ class KFACPreconditioner:
         self._handed_over.clear()
 
     def _update_running_factors(self, decay: float) -> None:
-        """Blend every layer's staged (and reduced) batch factors into its running averages."""
+        """Blend every layer's staged (and reduced) batch factors into its running averages,
+        their checks read for all layers at once."""
         with self.timer.stage("factors"):
+            staged = [layer for layer in self.layers
+                      if layer.batch_a is not None and layer.batch_g is not None]
+            checks = dict(zip((layer.name for layer in staged), gram_diagonal_checks(
+                [(layer.batch_a, layer.batch_g) for layer in staged]), strict=True))
             for layer in self.layers:
-                layer.update_running_factors(decay)
+                layer.update_running_factors(decay, checks.get(layer.name))
 
     def _clip_and_write(self, grads: dict[str, Tensor | None],
                         preconditioned: dict[str, Tensor],

@@ -21,6 +21,9 @@ from torch import nn
 
 from core import KFACPreconditioner
 from core.batchnorm import BatchNormPreconditioner
+from core.config import KFACConfig
+from core.distributed import Communicator
+from core.distributed.strategies import make_strategy
 from reproductions.common.launch import DistContext, init_distributed
 from reproductions.dpkfac import train as dpkfac_train
 
@@ -133,3 +136,30 @@ def test_batchnorm_preconditioning_reads_the_device_once_per_step(
             bn.step()
     assert bn.last_preconditioned == 4
     assert len(reads) == 1  # the step without an update: the check of all four at once
+
+
+def test_reduced_factors_are_checked_in_one_host_read_per_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the batch factors are reduced across ranks (rank 0 of a simulated world of two),
+    every layer's are alive when they are blended, and their finiteness checks are read for
+    all layers at once: one read per layer was a wait for a GPU at every layer, every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(6, 6) for _ in range(4)))
+    config = KFACConfig(strategy="comm-opt", inv_update_steps=10)
+    precond = KFACPreconditioner(model, config, strategy_impl=make_strategy(
+        config, Communicator.simulated(0, 2)))
+    blends = []
+    original = precond._update_running_factors
+
+    def counted(decay: float) -> None:
+        with host_reads(monkeypatch) as reads:
+            original(decay)
+        blends.append(len(reads))
+
+    monkeypatch.setattr(precond, "_update_running_factors", counted)
+    for _ in range(2):
+        model.zero_grad()
+        model(torch.randn(8, 6)).square().mean().backward()
+        precond.step()
+    assert blends == [1, 1]
+    assert all(layer.has_factors for layer in precond.layers)
