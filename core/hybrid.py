@@ -198,14 +198,21 @@ class HybridSwitch:
             event.mean_now)
 
     def step(self) -> None:
-        """Run the preconditioner's step, unless switched."""
-        if not self.switched:
+        """Run the preconditioner's step, unless switched: then only the ledger's step tag
+        moves on (the preconditioner, which moved it, no longer steps), so each later step's
+        collectives (the loss average, a gradient all-reduce) are tagged with that step."""
+        if self.switched:
+            self.communicator.ledger.step += 1
+        else:
             self.preconditioner.step()
 
     def skip_step(self) -> None:
-        """The preconditioner's ``skip_step`` (a step the optimizer skipped), unless switched."""
+        """The preconditioner's ``skip_step`` (a step the optimizer skipped); once switched,
+        the ledger's step tag moves on instead, as in :meth:`step`."""
         skip = getattr(self.preconditioner, "skip_step", None)
-        if not self.switched and skip is not None:
+        if self.switched:
+            self.communicator.ledger.step += 1
+        elif skip is not None:
             skip()
 
     def metrics(self) -> dict[str, float]:
@@ -220,9 +227,11 @@ class HybridSwitch:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The rule's state (steps, loss window, event) and the preconditioner's state."""
+        """The rule's state (steps, loss window, event), the ledger's step tag and the
+        preconditioner's state."""
         return {
             "steps": self.steps,
+            "ledger_step": self.communicator.ledger.step,
             "losses": list(self.losses),
             "last_rate": self.last_rate,
             "event": None if self.event is None else asdict(self.event),
@@ -233,6 +242,9 @@ class HybridSwitch:
         """Restore :meth:`state_dict` output: a switched state stays switched, and one saved
         before the switch (a rollback) runs the preconditioner again, its hooks attached."""
         self.preconditioner.load_state_dict(state["preconditioner"])
+        # after the switch the tag runs ahead of the preconditioner's steps (see step())
+        self.communicator.ledger.step = int(state.get("ledger_step",
+                                                      self.communicator.ledger.step))
         self.steps = int(state["steps"])
         self.losses = deque(state["losses"], maxlen=2 * self.config.window)
         self.last_rate = state["last_rate"]
