@@ -351,7 +351,16 @@ class Communicator:
     def all_reduce(self, tensor: Tensor, *, stage: str, average: bool = False, op: str = "sum",
                    group: Sequence[int] | None = None, dtype: torch.dtype | None = None,
                    pack: bool = False) -> Tensor:
-        """All-reduce one tensor in place and return it (see :meth:`start_all_reduce`)."""
+        """All-reduce one tensor in place and return it (see :meth:`start_all_reduce`).
+
+        Raises:
+            TypeError: for anything but a tensor (a list goes to :meth:`all_reduce_many`), in
+                a world of one too, where nothing would move and the mistake would wait for
+                the first distributed run.
+        """
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"all_reduce takes one tensor, not a {type(tensor).__name__}; "
+                            "all-reduce several with all_reduce_many")
         self.start_all_reduce([tensor], stage=stage, average=average, op=op, group=group,
                               dtype=dtype, pack=pack).wait()
         return tensor

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from core.distributed import Communicator, average_gradients
@@ -187,3 +188,11 @@ def test_a_single_process_strategy_has_a_world_of_one_that_moves_and_records_not
     assert (communicator.rank, communicator.world_size) == (0, 1)
     assert communicator.ledger.entries == []
     assert isinstance(communicator.ledger.format_summary(step=precond.steps - 1), str)
+
+
+def test_all_reduce_of_a_list_is_refused_in_a_world_of_one_too() -> None:
+    """A list passed to ``all_reduce`` went through unchanged in one process and failed only
+    under torchrun; it is refused everywhere, naming ``all_reduce_many``."""
+    for comm in (Communicator.simulated(0, 1), Communicator.simulated(0, 2)):
+        with pytest.raises(TypeError, match="all_reduce_many"):
+            comm.all_reduce([torch.ones(2)], stage="factor_comm")  # type: ignore[arg-type]
