@@ -431,7 +431,8 @@ class Communicator:
         works = self.transport.reduce_scatter(output, inputs, members)
 
         def finish() -> None:
-            payloads[mine].flat = output
+            # the sum arrives in a buffer of its own, never in the tensors' memory
+            payloads[mine].flat, payloads[mine].borrowed = output, False
             payloads[mine].unpack()
 
         self._pending(works, payloads, finish, stage, extra=[output]).wait()

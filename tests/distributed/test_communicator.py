@@ -196,3 +196,26 @@ def test_all_reduce_of_a_list_is_refused_in_a_world_of_one_too() -> None:
     for comm in (Communicator.simulated(0, 1), Communicator.simulated(0, 2)):
         with pytest.raises(TypeError, match="all_reduce_many"):
             comm.all_reduce([torch.ones(2)], stage="factor_comm")  # type: ignore[arg-type]
+
+
+class _SummingTransport(SimulatedTransport):
+    """A simulated transport whose reduce-scatter sums as ``world_size`` ranks holding this
+    rank's data would."""
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor],
+                       group: tuple[int, ...]) -> list:
+        output.copy_(inputs[group.index(self.rank)] * len(group))
+        return []
+
+
+def test_an_unaveraged_reduce_scatter_writes_the_sum_into_tensors_sent_without_a_copy() -> None:
+    """Without averaging, a rank's own segment of one tensor (or of views back to back in one
+    buffer) goes to the wire as a view of itself; the sum arrives in a buffer of its own and
+    must still be written back (it was dropped: the tensors kept this rank's own values)."""
+    comm = Communicator(_SummingTransport(0, 2))
+    single = torch.ones(3)
+    flat = torch.ones(5)
+    for mine in ([single], [flat[:2], flat[2:]]):
+        comm.reduce_scatter_v([mine, [torch.ones(2)]], stage="factor_comm")
+    assert torch.equal(single, torch.full((3,), 2.0))
+    assert torch.equal(flat, torch.full((5,), 2.0))
