@@ -626,6 +626,8 @@ def _compare(cfg: PretrainConfig, args: argparse.Namespace) -> list[dict[str, An
         torch.set_num_threads(args.threads)
     runs: list[dict[str, Any]] = []
     try:
+        # first: an unusable corpus or tokenizer ends the command before anything is deleted
+        examples, tokenizer = prepare_examples(cfg, ctx, args)
         if not (args.resume or ctx.restarts > 0):
             # every run's up front, not each as it starts: a --resume of this invocation must
             # not meet an earlier invocation's state in the runs it had not reached
@@ -636,7 +638,6 @@ def _compare(cfg: PretrainConfig, args: argparse.Namespace) -> list[dict[str, An
                 print("warm start stopped early; continue with --resume")
                 return runs
             cfg = replace(cfg, init_checkpoint=str(start))
-        examples, tokenizer = prepare_examples(cfg, ctx, args)
         runs = [train(cfg, name, ctx, args, examples, tokenizer) for name in cfg.optimizers]
         finished()
     finally:

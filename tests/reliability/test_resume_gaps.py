@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
@@ -114,3 +115,46 @@ def test_bert_resume_of_a_fresh_run_is_not_refused_for_the_earlier_runs_state(
     runs = bert.main([*args, "--lr", "0.002", "--resume"])
     assert [(r["optimizer"], r["config"]["lr"], len(r["steps"]), r["finished"] is not None)
             for r in runs] == [("lamb", 0.002, 4, True), ("mkor", 0.002, 4, True)]
+
+
+@pytest.mark.parametrize("how", ["legacy format", "no CRC-32s"])
+def test_a_checkpoint_without_crcs_to_check_loads_without_a_warning(
+        tmp_path: Path, how: str) -> None:
+    """torch.save's legacy (non-zip) format, and its zip written after
+    ``set_crc32_options(False)`` (every CRC-32 recorded as 0), load with torch.load: the CRC
+    check refused both as damaged and fell back to an older checkpoint, or to none."""
+    save_checkpoint(tmp_path, 1, {"step": 1})
+    state = {"step": 2, "weights": torch.ones(1000)}
+    newest = tmp_path / "checkpoint-000000002.pt"
+    if how == "legacy format":
+        torch.save(state, newest, _use_new_zipfile_serialization=False)
+    else:
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(state, newest)
+        finally:
+            torch.serialization.set_crc32_options(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and loaded["step"] == 2
+    assert torch.equal(loaded["weights"], torch.ones(1000))
+
+
+def test_a_fresh_bert_run_whose_corpus_is_missing_keeps_the_earlier_runs(
+        tmp_path: Path) -> None:
+    """A fresh run (no --resume) deletes the earlier state of its runs up front; it did so
+    before loading the data, so a mistyped --corpus ended the command after every listed
+    run's results, checkpoints and model were gone."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(english_like_lines(300)) + "\n", encoding="utf-8")
+    args = ["--config", "tiny", "--data-dir", str(tmp_path / "cache"),
+            "--out", str(tmp_path / "out"), "--device", "cpu", "--wandb", "disabled",
+            "--optimizers", "lamb,mkor", "--steps", "2"]
+    bert.main([*args, "--corpus", str(corpus)])
+    kept = sorted((tmp_path / "out").rglob("*"))
+    with pytest.raises(SystemExit):
+        bert.main([*args, "--corpus", str(tmp_path / "corpus-typo.txt"), "--lr", "0.002"])
+    assert sorted((tmp_path / "out").rglob("*")) == kept
+    assert [load_results(tmp_path / "out" / "tiny" / f"{name}-s0" / "results.json")["finished"]
+            is not None for name in ("lamb", "mkor")] == [True, True]
