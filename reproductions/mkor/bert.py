@@ -72,7 +72,7 @@ from reproductions.mkor.config import (
     load_config,
     parse_assignment,
 )
-from reproductions.mkor.model import build_model, pretraining_loss
+from reproductions.mkor.model import build_model, existing_checkpoint, pretraining_loss
 from reproductions.mkor.report import comparison_table
 
 PAPER = "mkor"
@@ -626,7 +626,10 @@ def _compare(cfg: PretrainConfig, args: argparse.Namespace) -> list[dict[str, An
         torch.set_num_threads(args.threads)
     runs: list[dict[str, Any]] = []
     try:
-        # first: an unusable corpus or tokenizer ends the command before anything is deleted
+        # first: an unusable corpus, tokenizer or starting checkpoint ends the command before
+        # anything is deleted
+        if cfg.init_checkpoint is not None:
+            existing_checkpoint(cfg.model, cfg.init_checkpoint)
         examples, tokenizer = prepare_examples(cfg, ctx, args)
         if not (args.resume or ctx.restarts > 0):
             # every run's up front, not each as it starts: a --resume of this invocation must

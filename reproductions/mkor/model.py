@@ -34,6 +34,23 @@ def bert_config(preset: str, vocab_size: int, dropout: float) -> BertConfig:
                       **MODEL_PRESETS[preset])
 
 
+def _checkpoint_fix(preset: str) -> str:
+    return (f"pass --init-checkpoint a save_pretrained directory or a torch.save'd state dict "
+            f"of a {preset!r} BERT with this tokenizer (config field init_checkpoint)")
+
+
+def existing_checkpoint(preset: str, init_checkpoint: str | Path) -> Path:
+    """``init_checkpoint`` as a path, checked to exist (before a run deletes anything).
+
+    Raises:
+        DataUnavailableError: it does not exist; the message says what to pass.
+    """
+    path = Path(init_checkpoint).expanduser()
+    if not path.exists():
+        raise DataUnavailableError(f"init_checkpoint {path}", _checkpoint_fix(preset))
+    return path
+
+
 def build_model(preset: str, vocab_size: int, dropout: float,
                 init_checkpoint: str | Path | None = None) -> BertForPreTraining:
     """A freshly initialised ``BertForPreTraining``, optionally loaded from a checkpoint.
@@ -53,11 +70,8 @@ def build_model(preset: str, vocab_size: int, dropout: float,
     model = BertForPreTraining(bert_config(preset, vocab_size, dropout))
     if init_checkpoint is None:
         return model
-    path = Path(init_checkpoint).expanduser()
-    fix = (f"pass --init-checkpoint a save_pretrained directory or a torch.save'd state dict of "
-           f"a {preset!r} BERT with this tokenizer (config field init_checkpoint)")
-    if not path.exists():
-        raise DataUnavailableError(f"init_checkpoint {path}", fix)
+    path = existing_checkpoint(preset, init_checkpoint)
+    fix = _checkpoint_fix(preset)
     state = _read_weights(path, fix)
     own = model.state_dict()
     bad = [k for k, v in state.items()

@@ -156,5 +156,9 @@ def test_a_fresh_bert_run_whose_corpus_is_missing_keeps_the_earlier_runs(
     with pytest.raises(SystemExit):
         bert.main([*args, "--corpus", str(tmp_path / "corpus-typo.txt"), "--lr", "0.002"])
     assert sorted((tmp_path / "out").rglob("*")) == kept
+    with pytest.raises(SystemExit):  # a mistyped starting checkpoint, found before clearing
+        bert.main([*args, "--corpus", str(corpus), "--init-checkpoint",
+                   str(tmp_path / "no-such-model")])
+    assert sorted((tmp_path / "out").rglob("*")) == kept
     assert [load_results(tmp_path / "out" / "tiny" / f"{name}-s0" / "results.json")["finished"]
             is not None for name in ("lamb", "mkor")] == [True, True]
