@@ -369,11 +369,11 @@ class OsawaStrategy(DistributedStrategy):
     def communicate_gradients(self, layers: list[KFACLayer], grads: dict[str, Tensor]) -> None:
         self._received_bytes = 0
         ready = [layer for layer in layers if self.ready[layer.name]]
-        for r in range(self.world_size):
+        owned = [self._owned(ready, r) for r in range(self.world_size)]
+        for r, theirs in enumerate(owned):
             if r != self.rank:
-                self._receive_buffers(self._owned(ready, r), grads)
-        segments = [[grads[layer.name] for layer in self._owned(ready, r)]
-                    for r in range(self.world_size)]
+                self._receive_buffers(theirs, grads)
+        segments = [[grads[layer.name] for layer in theirs] for theirs in owned]
         self.communicator.all_gather_v(segments, stage="grad_comm")
 
 
