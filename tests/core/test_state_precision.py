@@ -152,13 +152,13 @@ def rank_deficient_classifier() -> nn.Module:
                          nn.Linear(64, 3))
 
 
-def guarded_step(tolerance: float | None) -> tuple[KFACPreconditioner, dict[str, Tensor],
-                                                    dict[str, Tensor]]:
-    """One step with bf16 states; returns the preconditioner, and per layer ``P`` and the
-    exact (fp32 state) ``P``."""
+def guarded_step(tolerance: float | None, precondition_dtype: str | None = "bfloat16"
+                 ) -> tuple[KFACPreconditioner, dict[str, Tensor], dict[str, Tensor]]:
+    """One step with bf16 states (or ``precondition_dtype``'s); returns the preconditioner, and
+    per layer ``P`` and the exact ``P`` (float64, dense, from the same factors)."""
     model = rank_deficient_classifier()
     options = {"inverse_method": "inverse", "damping": 1e-4, "kl_clip": None}
-    precond = KFACPreconditioner(model, precondition_dtype="bfloat16",
+    precond = KFACPreconditioner(model, precondition_dtype=precondition_dtype,
                                  precondition_dtype_tolerance=tolerance, **options)
     x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 2, 0])
@@ -182,8 +182,12 @@ def relative(a: Tensor, b: Tensor) -> float:
 def test_the_tolerance_keeps_the_rank_deficient_factor_in_fp32_and_its_product_accurate() -> None:
     rounded, new_rounded, exact = guarded_step(None)
     guarded, new_guarded, _ = guarded_step(0.05)
+    _, new_fp32, exact_fp32 = guarded_step(None, precondition_dtype=None)
     assert relative(new_rounded["3"], exact["3"]) > 0.3  # every factor rounded: digits lost
-    assert relative(new_guarded["3"], exact["3"]) < 0.05
+    # kept: the fp32 state's product, as accurate as fp32 is at this conditioning (the damped
+    # factor's is about 1e5: 6% from float64 with MKL on an AMD EPYC, under 5% on an Intel Xeon)
+    torch.testing.assert_close(new_guarded["3"], new_fp32["3"], rtol=1e-6, atol=0)
+    assert relative(new_fp32["3"], exact_fp32["3"]) < 0.15
     dtypes = {layer.name: [layer.state.side_dtype(s) for s in SIDES]  # type: ignore[union-attr]
               for layer in guarded.layers}
     assert dtypes == {"0": [torch.bfloat16, torch.bfloat16],
