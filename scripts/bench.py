@@ -270,8 +270,11 @@ def gemm_rate(a: Tensor, b: Tensor, clock: Clock, repeats: int) -> float:
 
 
 def _spd(n: int, device: torch.device) -> Tensor:
+    """A well-conditioned SPD matrix, symmetric to the bit (``x @ x.T`` need not be: some BLAS
+    builds sum its two triangles in different orders)."""
     x = torch.randn(n, 2 * n, device=device)
-    return x @ x.T / (2 * n) + 1e-3 * torch.eye(n, device=device)
+    gram = x @ x.T / (2 * n)
+    return (gram + gram.T) / 2 + 1e-3 * torch.eye(n, device=device)
 
 
 @dataclass(frozen=True)
@@ -1290,18 +1293,45 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure every method in this process, one after another, "
                              "instead of each in a fresh one (faster to start; what earlier "
                              "methods leave in the allocator then moves later ones)")
-    parser.add_argument("--peer-kaisa", type=float, default=3.17,
-                        help="KAISA's step every 10 over SGD's, measured here with its public "
-                             "code by scripts/measure_peer_kaisa.py (docs/peers.md; the issue "
-                             "author gave 12.5)")
-    parser.add_argument("--peer-kaisa-bf16", type=float, default=2.53,
+    peer_note = (" (default %s; with --reamortize, the saved run's unless given: peers "
+                 "measured on the run's host afterwards)")
+    parser.add_argument("--peer-kaisa", type=float,
+                        help="KAISA's step every 10 over SGD's, measured with its public code "
+                             "by scripts/measure_peer_kaisa.py on the host of the run "
+                             "(docs/peers.md; the issue author gave 12.5)"
+                             + peer_note % PEER_DEFAULTS["peer_kaisa"])
+    parser.add_argument("--peer-kaisa-bf16", type=float,
                         help="the same with KAISA's inverses in bf16 (inv_dtype), measured by "
-                             "scripts/measure_peer_kaisa.py --inv-dtype bfloat16")
-    parser.add_argument("--peer-dpkfac", type=float, default=10.9)
-    parser.add_argument("--peer-mkor", type=float, default=6.6)
-    parser.add_argument("--peer-bert-dpkfac", type=float, default=1.26)
-    parser.add_argument("--peer-bert-mkor", type=float, default=1.19)
+                             "scripts/measure_peer_kaisa.py --inv-dtype bfloat16"
+                             + peer_note % PEER_DEFAULTS["peer_kaisa_bf16"])
+    for name in ("peer_dpkfac", "peer_mkor", "peer_bert_dpkfac", "peer_bert_mkor"):
+        parser.add_argument("--" + name.replace("_", "-"), type=float,
+                            help=peer_note.strip() % PEER_DEFAULTS[name])
     return parser
+
+
+# The peers' step times over their first-order step: KAISA's measured on the Intel Xeon host of
+# docs/peers.md, the others the issue author's.
+PEER_DEFAULTS = {"peer_kaisa": 3.17, "peer_kaisa_bf16": 2.53, "peer_dpkfac": 10.9,
+                 "peer_mkor": 6.6, "peer_bert_dpkfac": 1.26, "peer_bert_mkor": 1.19}
+
+
+def peers_from_args(args: argparse.Namespace, saved: Peers | None = None) -> Peers:
+    """The peer step times given on the command line, the rest from ``saved`` (a saved run's)
+    or else the defaults."""
+    fallback = dict(PEER_DEFAULTS)
+    if saved is not None:
+        fallback.update({"peer_kaisa": saved.resnet_inverse["KAISA"],
+                         "peer_dpkfac": saved.resnet_inverse["DP-KFAC"],
+                         "peer_mkor": saved.resnet_inverse["MKOR"],
+                         "peer_bert_dpkfac": saved.bert_dpkfac, "peer_bert_mkor": saved.bert_mkor})
+        fallback["peer_kaisa_bf16"] = saved.resnet_inverse_bf16.get("KAISA")
+    value = {name: getattr(args, name) if getattr(args, name) is not None else default
+             for name, default in fallback.items()}
+    bf16 = value["peer_kaisa_bf16"]
+    return Peers({"KAISA": value["peer_kaisa"], "DP-KFAC": value["peer_dpkfac"],
+                  "MKOR": value["peer_mkor"]}, value["peer_bert_dpkfac"],
+                 value["peer_bert_mkor"], {} if bf16 is None else {"KAISA": bf16})
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1312,7 +1342,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with exit_on_user_error(parser):
             saved = read_json_file(args.reamortize, "--reamortize")
             try:
-                out = reamortize(saved, args.intervals)
+                peers = peers_from_args(args, Peers(**saved["peers"]))
+                out = reamortize(saved, args.intervals, peers)
             except (KeyError, TypeError, AttributeError, ValueError) as exc:  # another shape
                 raise ConfigError("--reamortize", str(args.reamortize),
                                   "a results file of this script's current --json format "
@@ -1326,9 +1357,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     use_autocast = device.type == "cuda" and not args.no_autocast
     names = args.workloads or (QUICK if args.quick else FULL)
     methods = [m for m in METHODS if m.name in args.methods]
-    peers = Peers({"KAISA": args.peer_kaisa, "DP-KFAC": args.peer_dpkfac,
-                   "MKOR": args.peer_mkor}, args.peer_bert_dpkfac, args.peer_bert_mkor,
-                  {"KAISA": args.peer_kaisa_bf16})
+    peers = peers_from_args(args)
     load = {"start": os.getloadavg()}
     started = time.perf_counter()
     sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)
@@ -1448,10 +1477,13 @@ def saved_method_run(raw: dict[str, Any]) -> tuple[MethodRun, int]:
     return MethodRun(**{**fields, "layers": layers}), raw["base_peak_bytes"]
 
 
-def reamortize(saved: dict[str, Any], intervals: Sequence[int]) -> dict[str, Any]:
+def reamortize(saved: dict[str, Any], intervals: Sequence[int],
+               peers: Peers | None = None) -> dict[str, Any]:
     """A saved run's rows, targets and their tables amortized over ``intervals`` from its raw
     steps and rates: the update and plain steps it timed do not depend on the interval, so
-    nothing is measured again (a run made with ``--intervals 10`` read every step, say)."""
+    nothing is measured again (a run made with ``--intervals 10`` read every step, say).
+    ``peers`` replaces the saved run's peer step times (measured on its host afterwards)."""
+    peers = peers or Peers(**saved["peers"])
     rows: list[Row] = []
     base_steps: dict[str, float] = {}
     for name, raw in saved["raw"].items():
@@ -1464,10 +1496,11 @@ def reamortize(saved: dict[str, Any], intervals: Sequence[int]) -> dict[str, Any
             if method.name in runs:
                 run, base_peak = runs[method.name]
                 rows += summarise(name, base_peak, method, run, rates, intervals)
-    goals = targets(rows, Peers(**saved["peers"]), saved_memory_floor(saved))
+    goals = targets(rows, peers, saved_memory_floor(saved))
     tables = {**saved["tables"], "results": results_table(rows, base_steps),
               "bounds": bound_table(rows), "targets": targets_table(goals)}
-    return {**saved, "rows": [asdict(r) for r in rows], "targets": goals, "tables": tables}
+    return {**saved, "peers": asdict(peers), "rows": [asdict(r) for r in rows], "targets": goals,
+            "tables": tables}
 
 
 if __name__ == "__main__":

@@ -339,6 +339,14 @@ def test_a_saved_run_amortizes_again_over_other_intervals_without_measuring(
         assert step_10 == pytest.approx((update + 9 * plain) / 10)
     assert json.loads(out.read_text())["rows"] == again["rows"]
 
+    # peers measured on the run's host afterwards replace the saved ones; the rest are kept
+    capsys.readouterr()
+    judged = bench.main(["--reamortize", str(saved), "--intervals", "10", "--peer-kaisa", "5.21"])
+    assert judged["peers"]["resnet_inverse"] == {**written["peers"]["resnet_inverse"],
+                                                 "KAISA": 5.21}
+    assert judged["peers"]["bert_mkor"] == written["peers"]["bert_mkor"]
+    assert judged["rows"] == written["rows"]
+
 
 def test_each_measured_method_is_saved_before_the_run_ends(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
