@@ -25,6 +25,7 @@ setup: $(STAMP) data
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/mypy
 
 test: setup lint
 	$(OFFLINE_ENV) $(BIN)/python -m pytest -q

@@ -78,6 +78,7 @@ class CaptureHooks:
                             "positional or the `input` keyword argument; call it with the input "
                             "first, or skip this layer with skip_layers")
         x = x.detach()
+        deliver: Callable[[Tensor], None]
         if self._on_pair is not None:
             deliver = partial(self._on_pair, x)
         else:

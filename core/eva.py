@@ -144,6 +144,7 @@ class EvaLayer(Rank1Layer):
             return None
         if self.norm_product is None:  # vectors set other than by update() or a checkpoint
             self._refresh_norm_product()
+        assert self.norm_product is not None  # a and g are set, so the refresh set it
         weight, bias = parts
         w_cols = weight.shape[1]
         y = torch.mv(weight, a[:w_cols])
@@ -218,12 +219,13 @@ class EvaPreconditioner(Rank1Preconditioner):
         scale (summed in model order, so every rank gets the same bits); then one rank-1
         update of each gradient in place, the scale folded in."""
         damping = self._hyper("damping")
-        ready, sums = [], []
+        ready: list[tuple[EvaLayer, tuple[Tensor, Tensor | None]]] = []
+        sums: list[Tensor] = []
         for layer, parts in grads:
             parts = tuple(None if t is None else t.to(self.dtype) for t in parts)
-            norm: Tensor | None = self._squared_norms[layer.name]
-            if norm.dtype != self.dtype:  # a narrower gradient's: taken again in our dtype
-                norm = None
+            squared_norm = self._squared_norms[layer.name]
+            # a narrower gradient's is taken again in our dtype
+            norm = squared_norm if squared_norm.dtype == self.dtype else None
             layer_sums = layer.closed_form_sums(parts, norm)
             if layer_sums is not None:
                 ready.append((layer, parts))
@@ -244,8 +246,9 @@ class EvaPreconditioner(Rank1Preconditioner):
             scale = kl_clip_scale(kl_sum, self._hyper("lr"), self._hyper("kl_clip"))
         self.last_kl_scale = scale
         for (layer, parts), coefficient in zip(ready, coefficients, strict=True):
-            layer.helper.add_outer_to_grad(parts, layer.g.value, layer.a.value,
-                                           beta=scale / damping,
+            g, a = layer.g.value, layer.a.value
+            assert g is not None and a is not None  # as closed_form_sums found them
+            layer.helper.add_outer_to_grad(parts, g, a, beta=scale / damping,
                                            alpha=-scale * coefficient / damping)
         self._restore_half_overflows(dict(ready))
 
@@ -258,8 +261,9 @@ class EvaPreconditioner(Rank1Preconditioner):
         overflowed = half_overflows(list(raw))
         for layer in overflowed:
             layer.nonfinite_preconditioned += 1
-            layer.helper.add_outer_to_grad(raw[layer], layer.g.value, layer.a.value,
-                                           beta=1.0, alpha=0.0)
+            g, a = layer.g.value, layer.a.value
+            assert g is not None and a is not None  # as closed_form_sums found them
+            layer.helper.add_outer_to_grad(raw[layer], g, a, beta=1.0, alpha=0.0)
         if overflowed:
             total = sum(x.nonfinite_preconditioned for x in self.layers)
             warnings.warn(f"preconditioned gradient of {', '.join(x.name for x in overflowed)} "

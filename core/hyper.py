@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 T = TypeVar("T", int, float)
 
 #: A hyper-parameter given as a constant or as a function of the preconditioner step.
-Schedulable = T | Callable[[int], T]
+Schedulable: TypeAlias = T | Callable[[int], T]
 
 
 def value_at(value: Schedulable[T], step: int) -> T:

@@ -339,9 +339,9 @@ def _lower_cholesky_in_place(matrix: Tensor) -> int:
             matrix.tril_()
         return info
     column_major = matrix.T
-    info = torch.empty((), dtype=torch.int32, device=matrix.device)
-    torch.linalg.cholesky_ex(column_major, upper=True, out=(column_major, info))
-    return int(info)
+    info_out = torch.empty((), dtype=torch.int32, device=matrix.device)
+    torch.linalg.cholesky_ex(column_major, upper=True, out=(column_major, info_out))
+    return int(info_out)
 
 
 def _not_positive_definite(info: int) -> RuntimeError:
@@ -553,11 +553,11 @@ def rounding_error(tensors: Sequence[Tensor], kind: str, shift: float, x: Tensor
     :func:`apply_side`); 0 for a zero product."""
     exact = apply_side(tensors, kind, shift, x)
     narrow = rounded if rounded is not None else [t.to(dtype) for t in tensors]
-    rounded = apply_side(narrow, kind, shift, x).to(exact.dtype)
+    moved = apply_side(narrow, kind, shift, x).to(exact.dtype)
     norm = torch.linalg.vector_norm(exact)
     if float(norm) == 0.0:
         return 0.0
-    return float(torch.linalg.vector_norm(rounded - exact) / norm)
+    return float(torch.linalg.vector_norm(moved - exact) / norm)
 
 
 @traced("rounding_check")

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -239,8 +240,8 @@ class KFACLayer(PreconditionedLayer):
                                   split=split, dtype=dtype, sides=sides)
         except DecompositionError as err:
             self.decomposition_failures += 1
-            kept = "keeping the last good inverse" if self.has_state else "left first-order"
-            warnings.warn(f"{self.name}: {err}; {kept} "
+            fallback = "keeping the last good inverse" if self.has_state else "left first-order"
+            warnings.warn(f"{self.name}: {err}; {fallback} "
                           f"({self.decomposition_failures} failures so far)", stacklevel=2)
             return
         narrow = state_dtype or dtype
@@ -345,10 +346,10 @@ class KFACLayer(PreconditionedLayer):
             ValueError: if a saved factor or state tensor does not have this layer's shape.
         """
         for key, dim in (("A", self.a_dim), ("G", self.g_dim)):
-            value = state[key]
-            if value is not None and tuple(value.shape) != (dim, dim):  # type: ignore[union-attr]
+            value = cast("Tensor | None", state[key])
+            if value is not None and tuple(value.shape) != (dim, dim):
                 raise ValueError(f"{self.name}: saved factor {key} has shape "
-                                 f"{tuple(value.shape)}, this layer needs {(dim, dim)}")  # type: ignore[union-attr]
+                                 f"{tuple(value.shape)}, this layer needs {(dim, dim)}")
         kind = state["state_kind"]
         saved: list[Tensor] = state["state"] or []  # type: ignore[assignment]
         if kind is not None:
@@ -360,8 +361,8 @@ class KFACLayer(PreconditionedLayer):
                                  f"layer needs {needed}")
         self.a.value = restored(state["A"], self.device, self.factor_dtype)  # type: ignore[arg-type]
         self.g.value = restored(state["G"], self.device, self.factor_dtype)  # type: ignore[arg-type]
-        self.decomposition_failures = int(state["decomposition_failures"])  # type: ignore[arg-type]
-        self.nonfinite_factor_skips = int(state["nonfinite_factor_skips"])  # type: ignore[arg-type]
+        self.decomposition_failures = int(cast(int, state["decomposition_failures"]))
+        self.nonfinite_factor_skips = int(cast(int, state["nonfinite_factor_skips"]))
         self.state = None if kind is None else make_state(
             str(kind), [t.to(self.device, copy=True) for t in saved])
         self.valid_sides = set(state["valid_sides"])  # type: ignore[call-overload]

@@ -5,7 +5,7 @@ methods' :class:`~core.rank1.Rank1Layer`), and the gradient prologue of every pr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -127,23 +127,29 @@ class PreconditionedLayer:
         raise NotImplementedError
 
 
-def unaliased(items: Sequence[tuple[Any, tuple[Tensor | None, ...]]]
-              ) -> list[tuple[Any, tuple[Tensor | None, ...]]]:
+# A layer type that the helpers below hand back as they were given it, and a tuple of gradient
+# tensors (None entries allowed) that unaliased() gives back alike.
+_LayerT = TypeVar("_LayerT", bound=PreconditionedLayer)
+_SourcesT = TypeVar("_SourcesT", bound=tuple[Tensor | None, ...])
+
+
+def unaliased(items: Sequence[tuple[_LayerT, _SourcesT]]) -> list[tuple[_LayerT, _SourcesT]]:
     """``items`` (each a layer and the gradient tensors its ``P`` is computed from) with every
     tensor that shares memory with an earlier layer's ``.grad`` replaced by a copy, before any
     layer writes its ``.grad``: with a weight tied between layers, each layer's ``P`` then
     comes from the raw gradient (the last layer written sets the shared ``.grad``), not from
     what an earlier layer wrote there in place."""
     written: set[int] = set()
-    out = []
+    out: list[tuple[_LayerT, _SourcesT]] = []
     for layer, sources in items:
-        out.append((layer, tuple(t.clone() if t is not None and t.data_ptr() in written else t
-                                 for t in sources)))
+        copied = tuple(t.clone() if t is not None and t.data_ptr() in written else t
+                       for t in sources)
+        out.append((layer, cast(_SourcesT, copied)))  # entry by entry a tensor's copy or itself
         written.update(t.data_ptr() for t in layer.helper.grad_tensors())
     return out
 
 
-def half_overflows(layers: Sequence[PreconditionedLayer]) -> list[PreconditionedLayer]:
+def half_overflows(layers: Sequence[_LayerT]) -> list[_LayerT]:
     """Those of ``layers`` with float16 weights whose written ``.grad`` left float16's range.
 
     A ``P`` finite in the preconditioner's wider dtype rounds to infinities above 65,504 when
@@ -154,7 +160,9 @@ def half_overflows(layers: Sequence[PreconditionedLayer]) -> list[Preconditioned
     half = [layer for layer in layers if layer.helper.weight.dtype == torch.float16]
     if not half:
         return []
-    sums = torch.stack([sum(t.sum(dtype=torch.float32) for t in layer.helper.grad_tensors())
+    # every layer here has a written gradient, so each sum is of at least one tensor
+    sums = torch.stack([cast(Tensor, sum(t.sum(dtype=torch.float32)
+                                         for t in layer.helper.grad_tensors()))
                         for layer in half])
     return [layer for layer, ok in zip(half, sums.isfinite().tolist(), strict=True) if not ok]
 

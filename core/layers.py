@@ -108,9 +108,15 @@ class LayerHelper:
                 f"{tuple(x.shape)}; its curvature needs {wanted} dimensions, the first the "
                 "batch (add one, or skip the layer with skip_layers)")
 
+    # nn.Module annotates its attributes as ``Tensor | Module``; these two are parameters.
     @property
     def weight(self) -> Tensor:
         return self.module.weight  # type: ignore[return-value]
+
+    @property
+    def bias(self) -> Tensor:
+        """The bias parameter (only of a helper :attr:`has_bias`)."""
+        return self.module.bias  # type: ignore[return-value]
 
     @property
     def g_dim(self) -> int:
@@ -165,8 +171,8 @@ class LayerHelper:
         weight = grad.reshape(self.g_dim, -1)
         if not self.has_bias:
             return weight, None
-        bias = self.module.bias
-        return weight, torch.zeros_like(bias) if bias.grad is None else bias.grad  # type: ignore[union-attr]
+        bias = self.bias
+        return weight, torch.zeros_like(bias) if bias.grad is None else bias.grad
 
     def grad_matrix(self) -> Tensor | None:
         """``∇W̄ = [∇W | ∇b]`` as a ``(g_dim, a_dim)`` matrix, or None if there is no gradient."""
@@ -178,8 +184,8 @@ class LayerHelper:
 
     def grad_tensors(self) -> list[Tensor]:
         """The current ``.grad`` of the weight and (if any) the bias, those that exist."""
-        params = (self.weight, self.module.bias) if self.has_bias else (self.weight,)
-        return [p.grad for p in params if p.grad is not None]  # type: ignore[union-attr]
+        params = (self.weight, self.bias) if self.has_bias else (self.weight,)
+        return [p.grad for p in params if p.grad is not None]
 
     def set_grad(self, matrix: Tensor, scale: Tensor | float | None = None) -> None:
         """Write a ``(g_dim, a_dim)`` matrix (times ``scale``, if given) into ``.grad`` of
@@ -200,7 +206,7 @@ class LayerHelper:
             weight.grad = _in_layout(weight, matrix.reshape(weight.shape))
             return
         _write_grad(weight, matrix[:, :w_cols], scale)
-        _write_grad(self.module.bias, matrix[:, w_cols], scale)  # type: ignore[arg-type]
+        _write_grad(self.bias, matrix[:, w_cols], scale)
 
     def add_outer_to_grad(self, parts: tuple[Tensor, Tensor | None], u: Tensor, v: Tensor, *,
                           beta: float, alpha: float) -> None:
@@ -213,7 +219,7 @@ class LayerHelper:
         w_cols = weight_part.shape[1]
         _add_outer_into(self.weight, weight_part, u, v[:w_cols], beta, alpha)
         if bias_part is not None:
-            _add_outer_into(self.module.bias, bias_part.reshape(-1, 1), u,  # type: ignore[arg-type]
+            _add_outer_into(self.bias, bias_part.reshape(-1, 1), u,
                             v[w_cols:], beta, alpha)
 
     def _append_bias(self, rows: Tensor) -> Tensor:
@@ -356,8 +362,9 @@ class Conv2dHelper(LayerHelper):
         if not SHIFTED_CONV_GRAM or conv.stride != (1, 1) or conv.kernel_size == (1, 1):
             return None
         batch, channels, height, width = input_shape
-        plan = conv_gram.plan(conv_gram.Geometry(conv.kernel_size, conv.dilation,
-                                                 self._padding()), height, width)
+        (kh, kw), (dh, dw) = conv.kernel_size, conv.dilation
+        plan = conv_gram.plan(conv_gram.Geometry((kh, kw), (dh, dw), self._padding()),
+                              height, width)
         if plan.flops(batch, channels) >= SHIFTED_FLOP_FRACTION * plan.patch_flops(batch,
                                                                                    channels):
             return None

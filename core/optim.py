@@ -55,7 +55,8 @@ def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Par
 def parameter_groups(model: nn.Module, weight_decay: float, *, exclude_bias_and_norm: bool
                      ) -> list[dict[str, Any]]:
     """Parameter groups with ``weight_decay``; optionally none for biases and LayerNorms."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, module, param in _named_parameters(model):
         (no_decay if exclude_bias_and_norm and _no_decay(name, module) else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}]

@@ -434,10 +434,10 @@ class KFACPreconditioner:
         """Blend every layer's staged (and reduced) batch factors into its running averages,
         their checks read for all layers at once."""
         with self.timer.stage("factors"):
-            staged = [layer for layer in self.layers
+            staged = [(layer.name, (layer.batch_a, layer.batch_g)) for layer in self.layers
                       if layer.batch_a is not None and layer.batch_g is not None]
-            checks = dict(zip((layer.name for layer in staged), gram_diagonal_checks(
-                [(layer.batch_a, layer.batch_g) for layer in staged]), strict=True))
+            checks = dict(zip((name for name, _ in staged), gram_diagonal_checks(
+                [pair for _, pair in staged]), strict=True))
             for layer in self.layers:
                 layer.update_running_factors(decay, checks.get(layer.name))
 

@@ -220,7 +220,8 @@ class Rank1Preconditioner:
         self.communicator = communicator or Communicator.from_torch()
 
         threshold = self.config.vocab_size_threshold
-        self.layers = [
+        # a Sequence, so that subclasses narrow it to their own layer type
+        self.layers: Sequence[Rank1Layer] = [
             self._make_layer(name, helper)
             for name, module in discover_layers(model, self.config.skip_layers,
                                                 quiet=(BERT_DECODER_PATTERN,))

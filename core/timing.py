@@ -76,7 +76,7 @@ class DeviceEvent(Protocol):
 
 
 def cuda_timing_event() -> DeviceEvent:
-    return torch.cuda.Event(enable_timing=True)  # type: ignore[return-value]
+    return torch.cuda.Event(enable_timing=True)
 
 
 #: Closed steps whose device events may stay unread; older ones are read, waiting if need be,

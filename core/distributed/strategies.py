@@ -353,7 +353,7 @@ class OsawaStrategy(DistributedStrategy):
         staged = {layer.name: layer.batch_factors_for_reduction() for layer in layers}
         segments = [[t for layer in self._owned(layers, r) for t in staged[layer.name]]
                     for r in range(self.world_size)]
-        self.communicator.reduce_scatter_v(segments, stage="factor_comm",  # type: ignore[arg-type]
+        self.communicator.reduce_scatter_v(segments, stage="factor_comm",
                                            average=True, dtype=self.wire_dtype, pack=self.pack)
         for layer in layers:
             if self.owner(layer) != self.rank:

@@ -104,8 +104,10 @@ class TorchTransport:
         backend = dist.get_backend()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                        else torch.device("cpu"))
-        self._groups: dict[Group, dist.ProcessGroup] = {}
-        self._world = dist.new_group(list(range(self.world_size))) if self.world_size > 1 else None
+        # new_group gives the ranks outside a group GroupMember.NON_GROUP_MEMBER (-100).
+        self._groups: dict[Group, dist.ProcessGroup | int] = {}
+        self._world: dist.ProcessGroup | int | None = (
+            dist.new_group(list(range(self.world_size))) if self.world_size > 1 else None)
 
     def register_groups(self, groups: Sequence[Group]) -> None:
         for group in groups:
@@ -114,17 +116,22 @@ class TorchTransport:
 
     def _pg(self, group: Group) -> dist.ProcessGroup | None:
         if len(group) == self.world_size:
-            return self._world
-        try:
-            return self._groups[group]
-        except KeyError:
-            raise RuntimeError(f"process group {group} was not registered") from None
+            pg = self._world
+        else:
+            try:
+                pg = self._groups[group]
+            except KeyError:
+                raise RuntimeError(f"process group {group} was not registered") from None
+        # Collectives start only on groups that hold this rank (Communicator._group checks),
+        # where new_group returned a real group.
+        assert pg is None or isinstance(pg, dist.ProcessGroup)
+        return pg
 
     def all_reduce(self, flat: Tensor, op: str, group: Group) -> list[Work]:
         return [dist.all_reduce(flat, op=_REDUCE_OPS[op], group=self._pg(group), async_op=True)]
 
     def broadcast(self, flat: Tensor, src: int, group: Group) -> list[Work]:
-        return [dist.broadcast(flat, src, group=self._pg(group), async_op=True)]
+        return [_started(dist.broadcast(flat, src, group=self._pg(group), async_op=True))]
 
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], group: Group) -> list[Work]:
         return [dist.reduce_scatter(output, inputs, group=self._pg(group), async_op=True)]
@@ -134,5 +141,13 @@ class TorchTransport:
         if len({b.numel() for b in buffers}) == 1:
             mine = buffers[group.index(self.rank)].clone()
             return [dist.all_gather(buffers, mine, group=pg, async_op=True)]
-        return [dist.broadcast(buffer, src, group=pg, async_op=True)
+        return [_started(dist.broadcast(buffer, src, group=pg, async_op=True))
                 for src, buffer in zip(group, buffers, strict=True)]
+
+
+def _started(work: dist.Work | None) -> Work:
+    """The handle of a collective started with ``async_op=True`` on a group holding this rank,
+    which torch returns there (None only on a rank outside the group); ``dist.broadcast`` is
+    annotated without the ``async_op=True`` overload that ``dist.all_reduce`` has."""
+    assert work is not None
+    return work
