@@ -486,11 +486,13 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
                 p = p.to(a_chol.dtype)
                 solve(a_chol.mT, p, upper=True, left=False, out=p)
                 return solve(a_chol, p, upper=False, left=False, out=p)
-            # Pᵀ = L_A⁻ᵀ L_A⁻¹ ∇ᵀ from the left, in a transposed copy, then copied back
+            # Pᵀ = L_A⁻ᵀ L_A⁻¹ ∇ᵀ from the left, in a transposed copy, then copied back into
+            # the working copy p (the caller's own) where the dtypes agree: two buffers alive
             t = p.mT.to(a_chol.dtype, memory_format=torch.contiguous_format, copy=True)
             solve(a_chol, t, upper=False, out=t)
             solve(a_chol.mT, t, upper=True, out=t)
-            return t.mT.contiguous()
+            out = p if p.dtype == t.dtype else torch.empty(p.shape, dtype=t.dtype, device=p.device)
+            return out.copy_(t.mT)
 
         if _a_side_first(a_chol, g_chol):
             p = grad.to(a_chol.dtype, memory_format=torch.contiguous_format, copy=True)
