@@ -1313,9 +1313,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # The peers' step times over their first-order step: KAISA's measured on the Intel Xeon host of
-# docs/peers.md, the others the issue author's.
+# docs/peers.md (its /proc/cpuinfo model name: PEER_KAISA_HOST), the others the issue author's.
 PEER_DEFAULTS = {"peer_kaisa": 3.17, "peer_kaisa_bf16": 2.53, "peer_dpkfac": 10.9,
                  "peer_mkor": 6.6, "peer_bert_dpkfac": 1.26, "peer_bert_mkor": 1.19}
+PEER_KAISA_HOST = "Intel(R) Xeon(R) Processor"
+
+
+def kaisa_provenance(args: argparse.Namespace, cpu_model: str | None) -> str:
+    """Where the KAISA figures the targets judge against come from; for the defaults on another
+    host, what to do (a peer's ratio to the first-order step belongs to the host it was
+    measured on: docs/peers.md)."""
+    if args.peer_kaisa is not None or args.peer_kaisa_bf16 is not None:
+        return "given on the command line"
+    provenance = f"the defaults, measured on {PEER_KAISA_HOST}"
+    if cpu_model == PEER_KAISA_HOST:
+        return provenance
+    return (f"{provenance}, not this host ({cpu_model or 'unknown'}): measure KAISA here "
+            "(scripts/measure_peer_kaisa.py) and judge this run against it with --reamortize "
+            "RUN.json --peer-kaisa X --peer-kaisa-bf16 Y")
 
 
 def peers_from_args(args: argparse.Namespace, saved: Peers | None = None) -> Peers:
@@ -1360,6 +1375,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     names = args.workloads or (QUICK if args.quick else FULL)
     methods = [m for m in METHODS if m.name in args.methods]
     peers = peers_from_args(args)
+    env = environment(device)
+    kaisa = env["KAISA figures"] = kaisa_provenance(args, env.get("cpu_model"))
+    if "not this host" in kaisa and "resnet18-32" in names:
+        print(f"bench.py: KAISA figures are {kaisa}", file=sys.stderr, flush=True)
     load = {"start": os.getloadavg()}
     started = time.perf_counter()
     sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)
@@ -1399,7 +1418,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{os.getloadavg()[0]:.2f}]", file=sys.stderr, flush=True)
     load["end"] = os.getloadavg()
     goals = targets(rows, peers, memory_floor(device.type))
-    env = environment(device)
     env["methods measured"] = ("one after another in this process" if args.in_process
                                else "each in a fresh process")
     tables = {

@@ -317,12 +317,27 @@ def test_every_timed_step_starts_from_the_initial_parameters(
     assert len(entries) == 2 * (len(run.seconds) + bench.WARM_STEPS) and all(entries)
 
 
+@pytest.mark.parametrize(("argv", "cpu_model", "expected"), [
+    ([], bench.PEER_KAISA_HOST, "the defaults, measured on " + bench.PEER_KAISA_HOST),
+    ([], "AMD EPYC", "not this host (AMD EPYC): measure KAISA here"),
+    (["--peer-kaisa", "5.21"], "AMD EPYC", "given on the command line"),
+])
+def test_the_kaisa_figures_say_where_they_were_measured(argv: list[str], cpu_model: str,
+                                                        expected: str) -> None:
+    """A peer's ratio to the first-order step belongs to its host: the defaults on another
+    host say so, and how to judge the run against KAISA measured there."""
+    provenance = bench.kaisa_provenance(bench.build_parser().parse_args(argv), cpu_model)
+    assert expected in provenance
+    assert ("--reamortize" in provenance) == ("not this host" in provenance)
+
+
 def test_a_saved_run_amortizes_again_over_other_intervals_without_measuring(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "run.json"
     bench.main(["--quick", "--in-process", "--workloads", "tiny-cnn", "--methods",
                 "kfac-inverse", "mkor", "--intervals", "10", "--json", str(saved)])
     written = json.loads(saved.read_text())
+    assert "KAISA figures" in written["environment"]
     # the saved intervals again: the same rows, targets and tables, read from the raw steps
     same = bench.reamortize(json.loads(saved.read_text()), [10])
     assert same["rows"] == written["rows"]
