@@ -43,7 +43,7 @@ def test_three_steps_of_each_optimizer(run_args: list[str], tmp_path: Path,
         assert (wandb["project"], wandb["group"], wandb["name"], wandb["mode"]) == (
             "kfac-repro-mkor", "tiny", f"tiny-{name}-0", "offline")
         run_dir = next((tmp_path / "out" / "tiny" / "wandb").glob(f"offline-run-*-{wandb['id']}"))
-        history = read_offline_history(run_dir)
+        history = read_offline_history(run_dir, wait_s=30)  # W&B may still be writing it
         assert [h["train/loss"] for h in history if "train/loss" in h] == [
             s["loss"] for s in results["steps"]]
     second_order = load_results(tmp_path / "out" / "tiny" / "mkor-s0" / "results.json")
