@@ -1319,14 +1319,21 @@ PEER_DEFAULTS = {"peer_kaisa": 3.17, "peer_kaisa_bf16": 2.53, "peer_dpkfac": 10.
 PEER_KAISA_HOST = "Intel(R) Xeon(R) Processor"
 
 
+def kaisa_defaults_elsewhere(args: argparse.Namespace, cpu_model: str | None) -> bool:
+    """Whether the targets judge against KAISA's default figures on a host other than theirs
+    (a peer's ratio to the first-order step belongs to the host it was measured on:
+    docs/peers.md)."""
+    given = args.peer_kaisa is not None or args.peer_kaisa_bf16 is not None
+    return not given and cpu_model != PEER_KAISA_HOST
+
+
 def kaisa_provenance(args: argparse.Namespace, cpu_model: str | None) -> str:
-    """Where the KAISA figures the targets judge against come from; for the defaults on another
-    host, what to do (a peer's ratio to the first-order step belongs to the host it was
-    measured on: docs/peers.md)."""
+    """Where the KAISA figures the targets judge against come from, and for the defaults on
+    another host what to do."""
     if args.peer_kaisa is not None or args.peer_kaisa_bf16 is not None:
         return "given on the command line"
     provenance = f"the defaults, measured on {PEER_KAISA_HOST}"
-    if cpu_model == PEER_KAISA_HOST:
+    if not kaisa_defaults_elsewhere(args, cpu_model):
         return provenance
     return (f"{provenance}, not this host ({cpu_model or 'unknown'}): measure KAISA here "
             "(scripts/measure_peer_kaisa.py) and judge this run against it with --reamortize "
@@ -1376,9 +1383,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     methods = [m for m in METHODS if m.name in args.methods]
     peers = peers_from_args(args)
     env = environment(device)
-    kaisa = env["KAISA figures"] = kaisa_provenance(args, env.get("cpu_model"))
-    if "not this host" in kaisa and "resnet18-32" in names:
-        print(f"bench.py: KAISA figures are {kaisa}", file=sys.stderr, flush=True)
+    env["KAISA figures"] = kaisa_provenance(args, env.get("cpu_model"))
+    if kaisa_defaults_elsewhere(args, env.get("cpu_model")) and "resnet18-32" in names:
+        print(f"bench.py: KAISA figures are {env['KAISA figures']}", file=sys.stderr,
+              flush=True)
     load = {"start": os.getloadavg()}
     started = time.perf_counter()
     sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)
@@ -1404,7 +1412,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             run, base_peak = measured[method.name]
             raw[name][method.name] = asdict(run) | {"base_peak_bytes": base_peak}
             # What is measured so far, for --reamortize if the run is cut off (a time limit).
-            write_json(args.json, partial_record(device, load, all_rates, names, peers, raw))
+            write_json(args.json, partial_record(env, load, all_rates, names, peers, raw))
         runs = {m: run for m, (run, _) in measured.items()}
         # A shared machine slows down at times: the rates are the best of two measurements,
         # one before the runs and one after, so a slow spell cannot lower a bound.
@@ -1438,12 +1446,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return out
 
 
-def partial_record(device: torch.device, load: dict[str, Any], rates: dict[str, Rates],
+def partial_record(env: dict[str, Any], load: dict[str, Any], rates: dict[str, Rates],
                    names: Sequence[str], peers: Peers, raw: dict[str, dict[str, Any]]
                    ) -> dict[str, Any]:
     """The record of a run still going: its raw measurements and the rates so far, without
     rows or tables (``--reamortize`` computes them, when the run was cut off)."""
-    return {"partial": True, "environment": environment(device), "load": load,
+    return {"partial": True, "environment": env, "load": load,
             "rates": {name: asdict(r) for name, r in rates.items()},
             "workloads": {n: WORKLOADS[n].description for n in names}, "peers": asdict(peers),
             "rows": [], "targets": [], "raw": raw, "tables": {}}
