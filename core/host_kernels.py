@@ -65,6 +65,22 @@ LINKED_POTRI: dict[torch.dtype, Callable[..., None] | None] = {
 _openblas_threads = 0
 
 
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's vendor string as ``cpuinfo`` (Linux's ``/proc/cpuinfo``) gives it, such as
+    ``GenuineIntel`` or ``AuthenticAMD``; None where that file is absent or names none.
+
+    Some BLAS kernels run at rates that differ by vendor, so a few kernel choices here follow
+    it (:data:`core.inverse.TRANSPOSED_SOLVE_MIN_ROWS`).
+    """
+    if not cpuinfo.exists():
+        return None
+    for line in cpuinfo.read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip() or None
+    return None
+
+
 def match_blas_threads() -> None:
     """Give SciPy's OpenBLAS as many threads as torch has (``torch.set_num_threads``). The
     loaded libraries are looked up only when the count changes (first use included)."""

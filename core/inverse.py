@@ -472,7 +472,8 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
     if isinstance(state, CholeskyState):
         # P = L_G⁻ᵀ L_G⁻¹ ∇W̄ L_A⁻ᵀ L_A⁻¹, four triangular solves in a row-major copy of ∇W̄:
         # with out=B, torch transposes the equation for a row-major B rather than copying it,
-        # and passes either layout of L to BLAS as is, so no matrix is copied or transposed.
+        # and passes either layout of L to BLAS as is, so no L is copied or transposed (A's
+        # side may run on a transposed copy of ∇W̄ where that is faster: solve_from_right).
         solve = torch.linalg.solve_triangular
         a_chol, g_chol = state.a_chol, state.g_chol
 
@@ -481,24 +482,11 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
             solve(g_chol, p, upper=False, out=p)
             return solve(g_chol.mT, p, upper=True, out=p)
 
-        def solve_a(p: Tensor) -> Tensor:
-            if p.device.type != "cpu" or p.shape[0] < TRANSPOSED_SOLVE_MIN_ROWS:
-                p = p.to(a_chol.dtype)
-                solve(a_chol.mT, p, upper=True, left=False, out=p)
-                return solve(a_chol, p, upper=False, left=False, out=p)
-            # Pᵀ = L_A⁻ᵀ L_A⁻¹ ∇ᵀ from the left, in a transposed copy, then copied back into
-            # the working copy p (the caller's own) where the dtypes agree: two buffers alive
-            t = p.mT.to(a_chol.dtype, memory_format=torch.contiguous_format, copy=True)
-            solve(a_chol, t, upper=False, out=t)
-            solve(a_chol.mT, t, upper=True, out=t)
-            out = p if p.dtype == t.dtype else torch.empty(p.shape, dtype=t.dtype, device=p.device)
-            return out.copy_(t.mT)
-
         if _a_side_first(a_chol, g_chol):
             p = grad.to(a_chol.dtype, memory_format=torch.contiguous_format, copy=True)
-            return solve_g(solve_a(p))
+            return solve_g(solve_from_right(p, a_chol))
         p = grad.to(g_chol.dtype, memory_format=torch.contiguous_format, copy=True)
-        return solve_a(solve_g(p))
+        return solve_from_right(solve_g(p), a_chol)
     if isinstance(state, EigenState):
         qg, qa = state.qg, state.qa
         if _a_side_first(qa, qg):
@@ -522,13 +510,46 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
     return (g_inv @ grad.to(g_inv.dtype)).to(a_inv.dtype) @ a_inv
 
 
+def solve_from_right(p: Tensor, chol: Tensor, *, transposed: bool | None = None) -> Tensor:
+    """``p L⁻ᵀ L⁻¹`` (``A``'s side of ``cholesky_solve``, ``L`` lower triangular), row-major,
+    in ``L``'s dtype, written into ``p`` where the dtypes agree (``p`` is the caller's working
+    copy and must be row-major).
+
+    Args:
+        p: ``(rows, n)``, row-major.
+        chol: ``L``, ``(n, n)``.
+        transposed: Solve ``(p L⁻ᵀ L⁻¹)ᵀ = L⁻ᵀ L⁻¹ pᵀ`` from the left in a transposed copy
+            (two buffers alive) instead of from the right in place; None: on the CPU from
+            :data:`TRANSPOSED_SOLVE_MIN_ROWS` rows.
+    """
+    solve = torch.linalg.solve_triangular
+    if transposed is None:
+        rows = TRANSPOSED_SOLVE_MIN_ROWS
+        transposed = p.device.type == "cpu" and rows is not None and p.shape[0] >= rows
+    if not transposed:
+        p = p.to(chol.dtype)
+        solve(chol.mT, p, upper=True, left=False, out=p)
+        return solve(chol, p, upper=False, left=False, out=p)
+    t = p.mT.to(chol.dtype, memory_format=torch.contiguous_format, copy=True)
+    solve(chol, t, upper=False, out=t)
+    solve(chol.mT, t, upper=True, out=t)
+    out = p if p.dtype == t.dtype else torch.empty(p.shape, dtype=t.dtype, device=p.device)
+    return out.copy_(t.mT)
+
+
 #: From this many gradient rows (``g_dim``), ``cholesky_solve`` applies ``A``'s side on the CPU
-#: as solves from the left on a transposed copy rather than from the right in place: MKL's
-#: right-side solves ran at half the rate of its left-side ones on an AMD EPYC core (28-35 vs
-#: 52-80 GFLOP/s with a 257-wide ``L``), so the two copies pay for themselves from about 32
-#: rows (1.2-1.8x faster ``A`` sides with 64 to 1,024 rows); with fewer the right-side solves
-#: are the faster (2-5x with 2-10 rows).
-TRANSPOSED_SOLVE_MIN_ROWS = 64
+#: as solves from the left on a transposed copy rather than from the right in place; None:
+#: never. MKL's right-side solves ran at half the rate of its left-side ones on an AMD EPYC
+#: core (28-35 vs 52-80 GFLOP/s with a 257-wide ``L``), so there the two copies pay for
+#: themselves from about 32 rows (1.2-1.8x faster ``A`` sides with 64 to 1,024 rows; with
+#: fewer the right-side solves are the faster, 2-5x with 2-10 rows). On an Intel Xeon core the
+#: right-side solves were the faster at nearly every ResNet-18 and BERT shape (0.82-1.04x the
+#: transposed path's time, 257- to 4,608-wide ``L``, 16 to 1,024 rows), and they need one
+#: gradient-sized buffer fewer, so the transposed path is taken on AMD CPUs alone, the one
+#: vendor where it was measured to pay (docs/benchmarks.md; ``python -m scripts.solve_sides``
+#: measures both ways on another host).
+TRANSPOSED_SOLVE_MIN_ROWS: int | None = (
+    64 if host_kernels.cpu_vendor() == "AuthenticAMD" else None)
 #: Most gradient rows (or columns) :func:`kept_dtype` multiplies: a sketch of the product
 #: whose error it measures, at a small fraction of a decomposition's cost.
 PROBE_VECTORS = 32

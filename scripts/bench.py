@@ -334,8 +334,8 @@ def cholesky_calls(spd: Tensor) -> list[TimedCall]:
 def triangular_solve_calls(lower: Tensor, rhs: Tensor) -> list[TimedCall]:
     """The triangular solves :func:`core.inverse.precondition` runs for ``cholesky_solve``, each
     into its row-major right-hand side in place (``out=``, no copy or transpose): with ``L``
-    and with ``Lᵀ``, from the left and from the right (``A``'s side of a gradient with many
-    rows runs as the left solves on a transposed copy,
+    and with ``Lᵀ``, from the left and from the right (on an AMD CPU ``A``'s side of a
+    gradient with many rows runs as the left solves on a transposed copy,
     :data:`core.inverse.TRANSPOSED_SOLVE_MIN_ROWS`)."""
     solve = torch.linalg.solve_triangular
     return [

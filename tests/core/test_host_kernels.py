@@ -3,6 +3,8 @@ PyTorch's own LAPACK and through SciPy's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,3 +122,18 @@ def test_syrk_upper_refuses_an_out_it_would_write_a_copy_of() -> None:
     host_kernels.syrk_upper(out, m, scale=1.0, beta=0.0)
     upper = torch.ones(4, 4, dtype=torch.bool).triu()
     torch.testing.assert_close(out[upper], (m @ m.T)[upper])
+
+
+@pytest.mark.parametrize(("text", "vendor"), [
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n", "AuthenticAMD"),
+    ("processor\t: 0\nvendor_id\t: GenuineIntel\n\nprocessor\t: 1\n", "GenuineIntel"),
+    ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n", None),
+    ("vendor_id\t:\n", None),
+])
+def test_cpu_vendor_reads_the_vendor_id_line(tmp_path: Path, text: str, vendor: str | None
+                                             ) -> None:
+    """An aarch64 ``/proc/cpuinfo`` has no ``vendor_id`` line, and a missing file names none."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(text)
+    assert host_kernels.cpu_vendor(cpuinfo) == vendor
+    assert host_kernels.cpu_vendor(tmp_path / "absent") is None

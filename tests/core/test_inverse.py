@@ -261,11 +261,14 @@ def test_damped_cholesky_is_the_lower_factor_and_not_symmetric_state() -> None:
 
 @pytest.mark.parametrize(("g_dim", "a_dim"), [(5, 7), (9, 70), (70, 9), (80, 66)])
 @pytest.mark.parametrize("g_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("transposed_from_rows", [8, None])
 def test_cholesky_solves_equal_the_dense_product_and_come_out_row_major(
-        g_dim: int, a_dim: int, g_dtype: torch.dtype) -> None:
-    """Whichever way the four triangular solves run (in place from the right, or on a
-    transposed copy from the left when ``G`` is wide), and in either order (a wider ``A``
-    state goes first)."""
+        g_dim: int, a_dim: int, g_dtype: torch.dtype, transposed_from_rows: int | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever way the four triangular solves run (in place from the right, or ``A``'s side
+    on a transposed copy from the left when ``G`` is wide, a choice that follows the CPU and is
+    forced both ways here), and in either order (a wider ``A`` state goes first)."""
+    monkeypatch.setattr(inverse_module, "TRANSPOSED_SOLVE_MIN_ROWS", transposed_from_rows)
     gen = torch.Generator().manual_seed(g_dim * a_dim)
     xa, xg = (torch.randn(n, 2 * n, generator=gen, dtype=torch.float64) for n in (a_dim, g_dim))
     a, g, damping = xa @ xa.T / (2 * a_dim), xg @ xg.T / (2 * g_dim), 0.1
