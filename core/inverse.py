@@ -510,6 +510,13 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
     return (g_inv @ grad.to(g_inv.dtype)).to(a_inv.dtype) @ a_inv
 
 
+def transposes_a_side(rows: int, device: torch.device) -> bool:
+    """Whether :func:`solve_from_right` solves a gradient of ``rows`` rows on ``device`` on a
+    transposed copy: on the CPU from :data:`TRANSPOSED_SOLVE_MIN_ROWS` rows."""
+    threshold = TRANSPOSED_SOLVE_MIN_ROWS
+    return device.type == "cpu" and threshold is not None and rows >= threshold
+
+
 def solve_from_right(p: Tensor, chol: Tensor, *, transposed: bool | None = None) -> Tensor:
     """``p L⁻ᵀ L⁻¹`` (``A``'s side of ``cholesky_solve``, ``L`` lower triangular), row-major,
     in ``L``'s dtype, written into ``p`` where the dtypes agree (``p`` is the caller's working
@@ -519,13 +526,12 @@ def solve_from_right(p: Tensor, chol: Tensor, *, transposed: bool | None = None)
         p: ``(rows, n)``, row-major.
         chol: ``L``, ``(n, n)``.
         transposed: Solve ``(p L⁻ᵀ L⁻¹)ᵀ = L⁻ᵀ L⁻¹ pᵀ`` from the left in a transposed copy
-            (two buffers alive) instead of from the right in place; None: on the CPU from
-            :data:`TRANSPOSED_SOLVE_MIN_ROWS` rows.
+            (two buffers alive) instead of from the right in place; None: as
+            :func:`transposes_a_side` decides.
     """
     solve = torch.linalg.solve_triangular
     if transposed is None:
-        rows = TRANSPOSED_SOLVE_MIN_ROWS
-        transposed = p.device.type == "cpu" and rows is not None and p.shape[0] >= rows
+        transposed = transposes_a_side(p.shape[0], p.device)
     if not transposed:
         p = p.to(chol.dtype)
         solve(chol.mT, p, upper=True, left=False, out=p)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from core import host_kernels, inverse
-from core.inverse import solve_from_right
+from core import host_kernels
+from core.inverse import solve_from_right, transposes_a_side
 from scripts.bench import Clock, TimedCall, fastest_seconds, markdown_table
 from scripts.gram_blocks import parse_shape_args
 
@@ -50,11 +50,9 @@ def measure(shapes: Sequence[tuple[int, int]], device: torch.device, repeats: in
         chol = lower_factor(dim, device)
         grad = torch.randn(rows, dim, device=device)
         right, transposed = (seconds(chol, grad, way) for way in (False, True))
-        threshold = inverse.TRANSPOSED_SOLVE_MIN_ROWS
-        chosen = device.type == "cpu" and threshold is not None and rows >= threshold
         lines.append([f"{dim} x {rows}", f"{right * 1e3:.3g}", f"{transposed * 1e3:.3g}",
                       f"{right / transposed:.2f}",
-                      "transposed" if chosen else "right side"])
+                      "transposed" if transposes_a_side(rows, device) else "right side"])
     return lines
 
 
