@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # benchmark this checkout's core, not an installed one
     sys.path.insert(0, str(ROOT))
 
+import core.inverse  # noqa: E402
 from core import host_kernels  # noqa: E402
 from core.config import ConfigError  # noqa: E402
 from core.inverse import inverse_in_place  # noqa: E402
@@ -1256,6 +1257,11 @@ def environment(device: torch.device) -> dict[str, Any]:
             if line.startswith("model name"):
                 env["cpu_model"] = line.split(":", 1)[1].strip()
                 break
+    env["cpu_vendor"] = host_kernels.cpu_vendor()
+    threshold = core.inverse.TRANSPOSED_SOLVE_MIN_ROWS
+    env["cholesky_solve A side"] = (
+        f"on a transposed copy from {threshold} gradient rows" if device.type == "cpu"
+        and threshold is not None else "in place, from the right")
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env

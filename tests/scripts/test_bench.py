@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch import nn
 
+import core.inverse
+from core import host_kernels
 from core.layers import Conv2dHelper
 from scripts import bench
 from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
@@ -48,6 +50,21 @@ def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
             assert row["failures"] == 0, row
     for workload in bench.QUICK:
         assert f"| {workload} | kfac-inverse | 10 |" in printed
+
+
+@pytest.mark.parametrize(("threshold", "device", "side"), [
+    (64, "cpu", "on a transposed copy from 64 gradient rows"),
+    (None, "cpu", "in place, from the right"),
+    (64, "meta", "in place, from the right"),
+])
+def test_the_environment_says_how_kfac_solve_applies_a_side(
+        threshold: int | None, device: str, side: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice follows the CPU (core.inverse.TRANSPOSED_SOLVE_MIN_ROWS), so a results file
+    records it, with the vendor it follows; off the CPU the solves run in place."""
+    monkeypatch.setattr(core.inverse, "TRANSPOSED_SOLVE_MIN_ROWS", threshold)
+    env = bench.environment(torch.device(device))
+    assert env["cholesky_solve A side"] == side
+    assert env["cpu_vendor"] == host_kernels.cpu_vendor()
 
 
 def test_by_default_each_method_is_measured_in_a_fresh_process() -> None:
