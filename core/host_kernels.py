@@ -67,14 +67,17 @@ _openblas_threads = 0
 
 def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     """The CPU's vendor string as ``cpuinfo`` (Linux's ``/proc/cpuinfo``) gives it, such as
-    ``GenuineIntel`` or ``AuthenticAMD``; None where that file is absent or names none.
+    ``GenuineIntel`` or ``AuthenticAMD``; None where that file is absent, unreadable or names
+    none (the choices that follow it then take their defaults rather than stop an import).
 
     Some BLAS kernels run at rates that differ by vendor, so a few kernel choices here follow
     it (:data:`core.inverse.TRANSPOSED_SOLVE_MIN_ROWS`).
     """
-    if not cpuinfo.exists():
+    try:
+        text = cpuinfo.read_text()
+    except (OSError, UnicodeDecodeError):
         return None
-    for line in cpuinfo.read_text().splitlines():
+    for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() == "vendor_id":
             return value.strip() or None

@@ -549,11 +549,12 @@ def solve_from_right(p: Tensor, chol: Tensor, *, transposed: bool | None = None)
 #: core (28-35 vs 52-80 GFLOP/s with a 257-wide ``L``), so there the two copies pay for
 #: themselves from about 32 rows (1.2-1.8x faster ``A`` sides with 64 to 1,024 rows; with
 #: fewer the right-side solves are the faster, 2-5x with 2-10 rows). On an Intel Xeon core the
-#: right-side solves were the faster at nearly every ResNet-18 and BERT shape (0.82-1.04x the
-#: transposed path's time, 257- to 4,608-wide ``L``, 16 to 1,024 rows), and they need one
-#: gradient-sized buffer fewer, so the transposed path is taken on AMD CPUs alone, the one
-#: vendor where it was measured to pay (docs/benchmarks.md; ``python -m scripts.solve_sides``
-#: measures both ways on another host).
+#: right-side solves were the faster at nearly every ResNet-18 and BERT shape (0.84-1.01x the
+#: transposed path's time, 257- to 4,608-wide ``L``, 64 to 1,024 rows, ``scripts/solve_sides.py``),
+#: and they need one gradient-sized buffer fewer, so the transposed path is taken on AMD CPUs
+#: alone, the one vendor where it was measured to pay (docs/benchmarks.md). Other vendors,
+#: Hygon's AMD-derived chips included, were not measured; ``python -m scripts.solve_sides``
+#: measures both ways on a host.
 TRANSPOSED_SOLVE_MIN_ROWS: int | None = (
     64 if host_kernels.cpu_vendor() == "AuthenticAMD" else None)
 #: Most gradient rows (or columns) :func:`kept_dtype` multiplies: a sketch of the product

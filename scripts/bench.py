@@ -1260,8 +1260,9 @@ def environment(device: torch.device) -> dict[str, Any]:
     env["cpu_vendor"] = host_kernels.cpu_vendor()
     threshold = core.inverse.TRANSPOSED_SOLVE_MIN_ROWS
     env["cholesky_solve A side"] = (
-        f"on a transposed copy from {threshold} gradient rows" if device.type == "cpu"
-        and threshold is not None else "in place, from the right")
+        f"on a transposed copy from {threshold} gradient rows"
+        if threshold is not None and core.inverse.transposes_a_side(threshold, device)
+        else "in place, from the right")
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env

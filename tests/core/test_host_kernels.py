@@ -132,8 +132,10 @@ def test_syrk_upper_refuses_an_out_it_would_write_a_copy_of() -> None:
 ])
 def test_cpu_vendor_reads_the_vendor_id_line(tmp_path: Path, text: str, vendor: str | None
                                              ) -> None:
-    """An aarch64 ``/proc/cpuinfo`` has no ``vendor_id`` line, and a missing file names none."""
+    """An aarch64 ``/proc/cpuinfo`` has no ``vendor_id`` line; a missing or unreadable file
+    names none."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(text)
     assert host_kernels.cpu_vendor(cpuinfo) == vendor
     assert host_kernels.cpu_vendor(tmp_path / "absent") is None
+    assert host_kernels.cpu_vendor(tmp_path) is None  # unreadable: a directory

@@ -260,11 +260,13 @@ def test_damped_cholesky_is_the_lower_factor_and_not_symmetric_state() -> None:
 
 
 @pytest.mark.parametrize(("g_dim", "a_dim"), [(5, 7), (9, 70), (70, 9), (80, 66)])
-@pytest.mark.parametrize("g_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(("a_dtype", "g_dtype"), [(torch.float64, torch.float64),
+                                                   (torch.float64, torch.float32),
+                                                   (torch.float32, torch.float64)])
 @pytest.mark.parametrize("transposed_from_rows", [8, None])
 def test_cholesky_solves_equal_the_dense_product_and_come_out_row_major(
-        g_dim: int, a_dim: int, g_dtype: torch.dtype, transposed_from_rows: int | None,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        g_dim: int, a_dim: int, a_dtype: torch.dtype, g_dtype: torch.dtype,
+        transposed_from_rows: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whichever way the four triangular solves run (in place from the right, or ``A``'s side
     on a transposed copy from the left when ``G`` is wide, a choice that follows the CPU and is
     forced both ways here), and in either order (a wider ``A`` state goes first)."""
@@ -273,11 +275,12 @@ def test_cholesky_solves_equal_the_dense_product_and_come_out_row_major(
     xa, xg = (torch.randn(n, 2 * n, generator=gen, dtype=torch.float64) for n in (a_dim, g_dim))
     a, g, damping = xa @ xa.T / (2 * a_dim), xg @ xg.T / (2 * g_dim), 0.1
     grad = torch.randn(g_dim, a_dim, generator=gen, dtype=torch.float64)
-    state = CholeskyState(damped_cholesky(a, damping, torch.float64),
+    state = CholeskyState(damped_cholesky(a, damping, a_dtype),
                           damped_cholesky(g, damping, g_dtype))
     p = inverse_module.precondition(grad, state, damping)
     assert p.is_contiguous() and p.shape == (g_dim, a_dim)
-    tolerance = {} if g_dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
+    tolerance = ({} if a_dtype == g_dtype == torch.float64
+                 else {"rtol": 1e-4, "atol": 1e-5})
     torch.testing.assert_close(p.double(), dense_inverse_precondition(grad, a, g, damping, damping),
                                **tolerance)
 
