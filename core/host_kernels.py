@@ -65,23 +65,29 @@ LINKED_POTRI: dict[torch.dtype, Callable[..., None] | None] = {
 _openblas_threads = 0
 
 
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """The CPU's vendor string as ``cpuinfo`` (Linux's ``/proc/cpuinfo``) gives it, such as
-    ``GenuineIntel`` or ``AuthenticAMD``; None where that file is absent, unreadable or names
-    none (the choices that follow it then take their defaults rather than stop an import).
-
-    Some BLAS kernels run at rates that differ by vendor, so a few kernel choices here follow
-    it (:data:`core.inverse.TRANSPOSED_SOLVE_MIN_ROWS`).
-    """
+def cpuinfo_field(key: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The first ``key`` line's value in ``cpuinfo`` (Linux's ``/proc/cpuinfo``), such as
+    ``vendor_id`` or ``model name``; None where that file is absent, unreadable or has no such
+    value (whatever follows it then takes its default rather than stop an import)."""
     try:
         text = cpuinfo.read_text()
     except (OSError, UnicodeDecodeError):
         return None
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
+        name, _, value = line.partition(":")
+        if name.strip() == key:
             return value.strip() or None
     return None
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's vendor string, such as ``GenuineIntel`` or ``AuthenticAMD`` (None where
+    ``cpuinfo`` names none: :func:`cpuinfo_field`).
+
+    Some BLAS kernels run at rates that differ by vendor, so a few kernel choices here follow
+    it (:data:`core.inverse.TRANSPOSED_SOLVE_MIN_ROWS`).
+    """
+    return cpuinfo_field("vendor_id", cpuinfo)
 
 
 def match_blas_threads() -> None:

@@ -270,7 +270,7 @@ def gemm_rate(a: Tensor, b: Tensor, clock: Clock, repeats: int) -> float:
     return 2 * a.shape[0] ** 3 / clock.best(lambda: a @ b, repeats)
 
 
-def _spd(n: int, device: torch.device) -> Tensor:
+def well_conditioned_spd(n: int, device: torch.device) -> Tensor:
     """A well-conditioned SPD matrix, symmetric to the bit (``x @ x.T`` need not be: some BLAS
     builds sum its two triangles in different orders)."""
     x = torch.randn(n, 2 * n, device=device)
@@ -359,7 +359,7 @@ def measure_rates(sizes: Sequence[int], device: torch.device, clock: Clock,
         gemm[n] = gemm_rate(a, b, clock, repeats_n)
         low_a, low_b = a.bfloat16(), b.bfloat16()
         gemm_bf16[n] = 2 * n**3 / clock.best(lambda a=low_a, b=low_b: a @ b, repeats_n)
-        spd = _spd(n, device)
+        spd = well_conditioned_spd(n, device)
         eigh[n] = n**3 / clock.best(lambda s=spd: torch.linalg.eigh(s), repeats_n)
         cholesky[n] = n**3 / fastest_seconds(clock, cholesky_calls(spd), repeats_n)
         potrf[n] = n**3 / fastest_seconds(clock, factorisation_calls(spd), repeats_n)
@@ -1252,11 +1252,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "MKL_NUM_THREADS": os.environ.get("MKL_NUM_THREADS"),
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"), "device": str(device),
     }
-    if Path("/proc/cpuinfo").exists():
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                env["cpu_model"] = line.split(":", 1)[1].strip()
-                break
+    env["cpu_model"] = host_kernels.cpuinfo_field("model name")
     env["cpu_vendor"] = host_kernels.cpu_vendor()
     threshold = core.inverse.TRANSPOSED_SOLVE_MIN_ROWS
     env["cholesky_solve A side"] = (
@@ -1326,18 +1322,21 @@ PEER_DEFAULTS = {"peer_kaisa": 3.17, "peer_kaisa_bf16": 2.53, "peer_dpkfac": 10.
 PEER_KAISA_HOST = "Intel(R) Xeon(R) Processor"
 
 
+def _kaisa_given(args: argparse.Namespace) -> bool:
+    return args.peer_kaisa is not None or args.peer_kaisa_bf16 is not None
+
+
 def kaisa_defaults_elsewhere(args: argparse.Namespace, cpu_model: str | None) -> bool:
     """Whether the targets judge against KAISA's default figures on a host other than theirs
     (a peer's ratio to the first-order step belongs to the host it was measured on:
     docs/peers.md)."""
-    given = args.peer_kaisa is not None or args.peer_kaisa_bf16 is not None
-    return not given and cpu_model != PEER_KAISA_HOST
+    return not _kaisa_given(args) and cpu_model != PEER_KAISA_HOST
 
 
 def kaisa_provenance(args: argparse.Namespace, cpu_model: str | None) -> str:
     """Where the KAISA figures the targets judge against come from, and for the defaults on
     another host what to do."""
-    if args.peer_kaisa is not None or args.peer_kaisa_bf16 is not None:
+    if _kaisa_given(args):
         return "given on the command line"
     provenance = f"the defaults, measured on {PEER_KAISA_HOST}"
     if not kaisa_defaults_elsewhere(args, cpu_model):

@@ -19,19 +19,19 @@ import torch
 
 from core import host_kernels
 from core.inverse import solve_from_right, transposes_a_side
-from scripts.bench import Clock, TimedCall, fastest_seconds, markdown_table
+from scripts.bench import (
+    Clock,
+    TimedCall,
+    fastest_seconds,
+    markdown_table,
+    well_conditioned_spd,
+)
 from scripts.gram_blocks import parse_shape_args
 
 #: (``A``'s dimension, gradient rows): ResNet-18's 576- to 4,608-wide ``A`` with 64 to 512
 #: output channels, and the small BERT's 257- and 1,025-wide ``A`` with 256 and 1,024 rows.
 SHAPES = ((576, 64), (1152, 128), (2304, 256), (4608, 512), (257, 256), (257, 1024),
           (1025, 256))
-
-
-def lower_factor(n: int, device: torch.device) -> torch.Tensor:
-    """The Cholesky factor of a well-conditioned ``n``-square SPD matrix."""
-    x = torch.randn(n, 2 * n, device=device)
-    return torch.linalg.cholesky(x @ x.T / (2 * n) + 0.1 * torch.eye(n, device=device))
 
 
 def measure(shapes: Sequence[tuple[int, int]], device: torch.device, repeats: int
@@ -47,7 +47,7 @@ def measure(shapes: Sequence[tuple[int, int]], device: torch.device, repeats: in
 
     lines = []
     for dim, rows in shapes:
-        chol = lower_factor(dim, device)
+        chol = torch.linalg.cholesky(well_conditioned_spd(dim, device))
         grad = torch.randn(rows, dim, device=device)
         right, transposed = (seconds(chol, grad, way) for way in (False, True))
         lines.append([f"{dim} x {rows}", f"{right * 1e3:.3g}", f"{transposed * 1e3:.3g}",

@@ -139,3 +139,12 @@ def test_cpu_vendor_reads_the_vendor_id_line(tmp_path: Path, text: str, vendor: 
     assert host_kernels.cpu_vendor(cpuinfo) == vendor
     assert host_kernels.cpu_vendor(tmp_path / "absent") is None
     assert host_kernels.cpu_vendor(tmp_path) is None  # unreadable: a directory
+
+
+def test_cpuinfo_field_reads_the_first_line_of_its_key_whole(tmp_path: Path) -> None:
+    """A value keeps its own colons; the first processor's line is the one read."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Vendor CPU: v2 @ 2.0GHz\n\n"
+                       "processor\t: 1\nmodel name\t: other\n")
+    assert host_kernels.cpuinfo_field("model name", cpuinfo) == "Vendor CPU: v2 @ 2.0GHz"
+    assert host_kernels.cpuinfo_field("flags", cpuinfo) is None

@@ -245,7 +245,7 @@ def test_work_targets_are_judged_as_measured_and_shown_at_the_in_run_gemm_rate()
 
 def test_the_timed_cholesky_calls_form_the_inverse_and_each_leaves_its_input() -> None:
     """The rates take the fastest of these calls, so each must do the whole job."""
-    spd = bench._spd(6, torch.device("cpu")).double()
+    spd = bench.well_conditioned_spd(6, torch.device("cpu")).double()
     before = spd.clone()
     (torch_inverse, in_place), (_, in_place_factor) = (bench.cholesky_calls(spd),
                                                        bench.factorisation_calls(spd))
@@ -258,7 +258,7 @@ def test_the_timed_cholesky_calls_form_the_inverse_and_each_leaves_its_input() -
 def test_the_timed_triangular_solves_are_the_four_solves_of_precondition() -> None:
     """Each solves its own system in place, from a fresh copy of the right-hand side every
     call; its setup is that copy."""
-    spd = bench._spd(5, torch.device("cpu")).double()
+    spd = bench.well_conditioned_spd(5, torch.device("cpu")).double()
     lower, rhs = torch.linalg.cholesky(spd), torch.randn(5, 5, dtype=torch.float64)
     before = rhs.clone()
     expected = [torch.linalg.inv(lower) @ rhs, torch.linalg.inv(lower.T) @ rhs,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core import inverse
-from scripts import solve_sides
+from scripts import bench, solve_sides
 
 
 @pytest.mark.parametrize(("threshold", "choices"), [(None, ["right side", "right side"]),
@@ -26,7 +26,7 @@ def test_both_ways_are_timed_and_the_choice_follows_the_threshold(
 @pytest.mark.parametrize("transposed", [False, True])
 def test_solve_from_right_is_the_dense_product_written_into_the_working_copy(
         transposed: bool) -> None:
-    chol = solve_sides.lower_factor(12, torch.device("cpu")).double()
+    chol = torch.linalg.cholesky(bench.well_conditioned_spd(12, torch.device("cpu")).double())
     grad = torch.randn(7, 12, dtype=torch.float64)
     work = grad.clone()
     out = inverse.solve_from_right(work, chol, transposed=transposed)
