@@ -36,7 +36,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -68,10 +68,15 @@ INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 @traced("max_abs")
-def max_abs(matrix: Tensor) -> Tensor:
-    """``max |m_ij|`` (NaN if an entry is NaN) from one ``aminmax`` pass, without a temporary."""
-    low, high = extremes(matrix)
-    return torch.maximum(-low, high)
+def max_abs(tensor: Tensor) -> float:
+    """``max |t_i|`` (NaN if an entry is NaN) from one ``aminmax`` pass, without a temporary,
+    brought to the host in one transfer."""
+    return _peak(*extremes(tensor).tolist())
+
+
+def _peak(low: float, high: float) -> float:
+    """``max(−low, high)``, NaN if either is (where Python's ``max`` would drop it)."""
+    return math.nan if math.isnan(low) or math.isnan(high) else max(-low, high)
 
 
 def stabiliser_fires(inverse: Tensor, epsilon: float) -> bool:
@@ -85,63 +90,77 @@ def stabiliser_fires(inverse: Tensor, epsilon: float) -> bool:
     ``(1 − ζ)/(γ − ζ)`` (2 at the defaults), and grows without bound for ``ζ ≥ γ``. The
     paper's printed rule, which grows the excited directions, is not bounded by it.
     """
-    return bool(max_abs(inverse) > epsilon)
+    return max_abs(inverse) > epsilon
+
+
+class RankOneUpdate(NamedTuple):
+    """``L_t⁻¹ = scale·L⁻¹ + coeff·u uᵀ + shift·I`` (see :func:`update_inverse`), with
+    ``u_peak = max |u_i|`` for :func:`cannot_overflow`."""
+
+    scale: float
+    shift: float
+    coeff: float
+    u: Tensor
+    u_peak: float
 
 
 @traced("rank1_terms")
 def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: float = 1.0
-                 ) -> tuple[float, float, Tensor, Tensor]:
-    """``(a, d, x, u)`` with ``L_t⁻¹ = a·L⁻¹ + x uᵀ + d·I`` (see :func:`update_inverse`).
+                 ) -> RankOneUpdate:
+    """The terms of one rank-1 update of ``inverse`` (see :func:`update_inverse`).
 
-    One matrix-vector product reads ``L⁻¹``; the rest is vector work.
+    One matrix-vector product reads ``L⁻¹``; the rest is vector work, whose two reductions
+    (``vᵀu`` and ``max |u|``) reach the host in one transfer, so the scalar arithmetic runs
+    there in float64.
     """
     if rule not in UPDATE_RULES:
         raise ValueError(f"unknown update rule {rule!r}")
-    lv = inverse @ v
-    if rule == "official":  # M' = γ M + (1 − γ) I
-        scale, shift = gamma * blend, gamma * (1.0 - blend) + 1.0 - gamma
-        u = lv * scale + v * shift
-        coeff = -1.0 / (1.0 + v @ u)
-    else:
-        u = lv * blend + v * (1.0 - blend)
-        quad = v @ u
-        if rule == "exact":
-            ratio = (1.0 - gamma) / gamma
-            scale, shift = blend / gamma, (1.0 - blend) / gamma
-            coeff = -(ratio / gamma) / (1.0 + ratio * quad)
-        else:  # paper
-            scale, shift = gamma * blend, gamma * (1.0 - blend)
-            coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
-    return scale, shift, u * coeff, u
+    if rule == "official":  # M' = γ M + (1 − γ) I, u = M' v
+        weight, rest = gamma * blend, gamma * (1.0 - blend) + 1.0 - gamma
+    else:  # M = blend·L⁻¹ + (1 − blend)·I, u = M v
+        weight, rest = blend, 1.0 - blend
+    u = inverse @ v
+    if weight != 1.0:
+        u.mul_(weight)
+    if rest:
+        u.add_(v, alpha=rest)
+    low, high, quad = torch.stack([*torch.aminmax(u), torch.dot(v, u)]).tolist()
+    if rule == "official":
+        scale, shift = weight, rest
+        coeff = -1.0 / (1.0 + quad)
+    elif rule == "exact":
+        ratio = (1.0 - gamma) / gamma
+        scale, shift = blend / gamma, (1.0 - blend) / gamma
+        coeff = -(ratio / gamma) / (1.0 + ratio * quad)
+    else:  # paper
+        scale, shift = gamma * blend, gamma * (1.0 - blend)
+        coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
+    return RankOneUpdate(scale, shift, coeff, u, _peak(low, high))
 
 
 @traced("rank1_update")
-def apply_update(inverse: Tensor, terms: tuple[float, float, Tensor, Tensor], *,
-                 in_place: bool = False) -> Tensor:
-    """``a·L⁻¹ + x uᵀ + d·I`` for ``terms = (a, d, x, u)``: one ``addr`` pass over the matrix
-    and a diagonal update. ``in_place`` overwrites ``inverse`` (the same values, bit for bit,
-    without a fresh matrix to allocate and fault in)."""
-    scale, shift, left, right = terms
+def apply_update(inverse: Tensor, terms: RankOneUpdate, *, in_place: bool = False) -> Tensor:
+    """``scale·L⁻¹ + coeff·u uᵀ + shift·I``: one ``addr`` pass over the matrix and a diagonal
+    update. ``in_place`` overwrites ``inverse`` (the same values, bit for bit, without a fresh
+    matrix to allocate and fault in)."""
     if in_place:
-        new = inverse.addr_(left, right, beta=scale)
+        new = inverse.addr_(terms.u, terms.u, beta=terms.scale, alpha=terms.coeff)
     else:
-        new = torch.addr(inverse, left, right, beta=scale)
-    if shift:
-        new.diagonal().add_(shift)
+        new = torch.addr(inverse, terms.u, terms.u, beta=terms.scale, alpha=terms.coeff)
+    if terms.shift:
+        new.diagonal().add_(terms.shift)
     return new
 
 
-def cannot_overflow(terms: tuple[float, float, Tensor, Tensor], peak: Tensor,
-                    dtype: torch.dtype) -> bool:
-    """Whether ``a·L⁻¹ + x uᵀ + d·I`` is certainly finite in ``dtype``, given ``peak = max |L⁻¹|``.
+def cannot_overflow(terms: RankOneUpdate, peak: float, dtype: torch.dtype) -> bool:
+    """Whether ``scale·L⁻¹ + coeff·u uᵀ + shift·I`` is certainly finite in ``dtype``, given
+    ``peak = max |L⁻¹|``.
 
-    Every entry is at most ``|a|·peak + max|x|·max|u| + |d|`` in magnitude (up to rounding);
-    with that below half the dtype's largest value nothing overflows, and finite inputs give
-    no NaN. False when any input is not finite (the bound is then NaN or infinite).
+    Every entry is at most ``|scale|·peak + |coeff|·max|u|² + |shift|`` in magnitude (up to
+    rounding); with that below half the dtype's largest value nothing overflows, and finite
+    inputs give no NaN. False when any input is not finite (the bound is then NaN or infinite).
     """
-    scale, shift, left, right = terms
-    bound = (abs(scale) * float(peak) + float(max_abs(left)) * float(max_abs(right))
-             + abs(shift))
+    bound = (abs(terms.scale) * peak + abs(terms.coeff) * terms.u_peak**2 + abs(terms.shift))
     return bound < 0.5 * torch.finfo(dtype).max
 
 
@@ -166,7 +185,7 @@ def update_inverse(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: f
         blend: The stabiliser's weight ``ζ`` of ``L⁻¹``, or 1.
 
     Returns:
-        ``L_t⁻¹`` (a new matrix). Every rule is ``a·L⁻¹ + d·I + s·u uᵀ`` with ``u`` the
+        ``L_t⁻¹`` (a new matrix). Every rule is ``a·L⁻¹ + d·I + c·u uᵀ`` with ``u`` the
         product of ``v`` with the blended factor (``= vᵀ M`` by symmetry): one ``addr`` pass
         over the matrix and a diagonal update (:func:`update_terms`, :func:`apply_update`);
         the blend is never materialised.
@@ -269,8 +288,8 @@ class MKORLayer(Rank1Layer):
         self.wide_rescales = 0
         self.nonfinite_preconditioned = 0
         # max |·| of each inverse in the arithmetic dtype, cached from its last update.
-        self._a_peak: Tensor | None = None
-        self._g_peak: Tensor | None = None
+        self._a_peak: float | None = None
+        self._g_peak: float | None = None
 
     def update(self, a: Tensor, g: Tensor, *, gamma: float, rule: str, epsilon: float,
                zeta: float) -> None:
@@ -285,29 +304,34 @@ class MKORLayer(Rank1Layer):
         self.g_inv, self._g_peak = self._updated("L", self.g_inv, self._g_peak, g, gamma, rule,
                                                  epsilon, zeta)
 
-    def _updated(self, side: str, inverse: Tensor, peak: Tensor | None, v: Tensor,
+    def _updated(self, side: str, inverse: Tensor, peak: float | None, v: Tensor,
                  gamma: float, rule: str, epsilon: float, zeta: float
-                 ) -> tuple[Tensor, Tensor]:
-        """The next inverse of one side and its ``max |·|`` (in the arithmetic dtype).
+                 ) -> tuple[Tensor, float]:
+        """The next inverse of one side and its ``max |·|``.
 
-        Passes over the matrix: the matrix-vector product, the ``addr`` update and the
-        ``max |·|`` of the result, which both checks it is finite and is the next update's
-        stabiliser trigger (cached, so the stabiliser does not read the matrix again). When
-        the storage dtype is the arithmetic one and the result provably cannot overflow
-        (:func:`cannot_overflow`), the matrix is updated in place; otherwise the update goes
-        to a new matrix and the old one stays for the failure path.
+        Passes over the matrix: the matrix-vector product and the ``addr`` update. The
+        result's ``max |·|`` is the next update's stabiliser trigger (cached, so the
+        stabiliser does not read the matrix again). When the result provably cannot overflow
+        (:func:`cannot_overflow`) it is finite and its diagonal gives that maximum; the
+        matrix is then updated in place if the storage dtype is the arithmetic one. Otherwise
+        the update goes to a new matrix, the old one stays for the failure path, and a third
+        pass takes ``max |·|`` of the result, which also checks that it is finite.
         """
         if peak is None:  # first update, or after load_state_dict
-            peak = max_abs(inverse).to(self.dtype)
-        fired = bool(peak > epsilon)  # the stabiliser: max |L⁻¹| > ε
+            peak = max_abs(inverse)
+        fired = peak > epsilon  # the stabiliser: max |L⁻¹| > ε
         self.stabilisations += int(fired)
         work = inverse.to(self.dtype)  # the stored inverse itself when the dtypes agree
         terms = update_terms(work, v, gamma, rule, blend=zeta if fired else 1.0)
-        in_place = work is not inverse or cannot_overflow(terms, peak, self.storage_dtype)
-        new = apply_update(work, terms, in_place=in_place).to(self.storage_dtype)
-        new_peak = max_abs(new)
-        if bool(new_peak.isfinite()):
-            return new, new_peak.to(self.dtype)
+        safe = cannot_overflow(terms, peak, self.storage_dtype)
+        new = apply_update(work, terms, in_place=work is not inverse or safe
+                           ).to(self.storage_dtype)
+        # Every rule keeps the inverse symmetric positive definite (it starts at I), whose
+        # largest entry in magnitude lies on its diagonal (|m_ij| ≤ √(m_ii m_jj)); so where
+        # the result is certainly finite its diagonal gives max |·| without a pass over it.
+        new_peak = max_abs(new.diagonal()) if safe else max_abs(new)
+        if math.isfinite(new_peak):
+            return new, new_peak
         self.update_failures += 1
         warnings.warn(f"{self.name}: {side}⁻¹ update is not finite in {self.storage_dtype}; "
                       f"keeping the last inverse ({self.update_failures} failures so far)",

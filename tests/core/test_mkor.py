@@ -448,6 +448,28 @@ def test_the_stabiliser_bounds_an_unexcited_direction_only_below_gamma(gamma: fl
     assert (unexcited < 2.5) == bounded, unexcited
 
 
+@pytest.mark.parametrize(("rule", "epsilon"), [("exact", 1.5), ("paper", 1.5), ("official", 0.9)])
+def test_the_cached_stabiliser_trigger_is_the_largest_entry_of_each_inverse(
+        rule: str, epsilon: float) -> None:
+    """Each update keeps ``max |·|`` of the new inverse for the next stabiliser decision,
+    taken from its diagonal where the result is certainly finite (the inverses stay
+    symmetric positive definite): it must equal the largest entry in magnitude of the whole
+    matrix, here over updates that grow the inverses past ``ε`` and fire the stabiliser (the
+    official rule blends towards ``I`` and keeps entries below 1, so its ``ε`` is lower)."""
+    torch.manual_seed(3)
+    model = nn.Linear(6, 5)
+    mkor = MKORPreconditioner(model, inv_update_steps=1, update_rule=rule, epsilon=epsilon)
+    layer = mkor.layers[0]
+    for _ in range(25):
+        model.zero_grad()
+        model(torch.randn(4, 6) * 3).pow(2).mean().backward()
+        mkor.step()
+        for peak, inverse in ((layer._a_peak, layer.a_inv), (layer._g_peak, layer.g_inv)):
+            assert peak == pytest.approx(inverse.abs().max().item(), rel=1e-6)
+    assert mkor.metrics()["stabilisations"] > 0
+    assert mkor.metrics()["update_failures"] == 0
+
+
 def test_state_dict_round_trip_gives_the_same_next_step() -> None:
     torch.manual_seed(9)
     data = [(torch.randn(6, 3, 5, 5), torch.randint(0, 4, (6,))) for _ in range(4)]
