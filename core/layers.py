@@ -138,13 +138,18 @@ class LayerHelper:
         raise NotImplementedError
 
     def mean_a_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        """The mean input row ``ā`` over all rows of a captured input (bias entry appended).
+        """The mean input row ``ā`` over all rows of a captured input (bias entry appended)."""
+        return self._append_bias(self.mean_input_row(x, dtype))
+
+    def mean_input_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """:meth:`mean_a_row` without its bias entry (``a_dim − 1`` entries with a bias).
 
         Rows are affine in each example's input and every example has the same number of
         rows, so the batch mean is taken first: the rows of one averaged example, not of the
         whole batch, are materialised (the built-in helpers need none).
         """
-        return self.a_rows(x.mean(dim=0, keepdim=True, dtype=dtype)).rows.mean(dim=(0, 1))
+        row = self.a_rows(x.mean(dim=0, keepdim=True, dtype=dtype)).rows.mean(dim=(0, 1))
+        return row[:-1] if self.has_bias else row
 
     def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         """Batch slices of a captured input whose :meth:`a_rows` are built one at a time
@@ -295,11 +300,10 @@ class LinearHelper(LayerHelper):
     def g_rows(self, gy: Tensor) -> Rows:
         return Rows(gy.reshape(gy.shape[0], -1, gy.shape[-1]), spatial=False)
 
-    def mean_a_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        """``ā`` in one reduction over all rows of the input (its rows are a view of it), the
-        bias entry appended to the mean: no batch-mean intermediate, no copy of the rows."""
-        mean = x.reshape(-1, x.shape[-1]).mean(dim=0, dtype=dtype)
-        return self._append_bias(mean)
+    def mean_input_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """One reduction over all rows of the input (its rows are a view of it): no
+        batch-mean intermediate, no copy of the rows."""
+        return x.reshape(-1, x.shape[-1]).mean(dim=0, dtype=dtype)
 
     def input_slices(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, ...]:
         if not self.has_bias:
@@ -406,8 +410,8 @@ class Conv2dHelper(LayerHelper):
     def g_rows(self, gy: Tensor) -> Rows:
         return Rows(gy.flatten(2).transpose(1, 2), spatial=True)
 
-    def mean_a_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
-        """``ā`` without patch rows: the entry of tap ``(c, i, j)`` is the mean of the
+    def mean_input_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """Without patch rows: the entry of tap ``(c, i, j)`` is the mean of the
         batch-mean input over the output positions' window of that tap, summed over rows
         (one strided reduction for every ``i``), then over columns (for every ``j``)."""
         conv = self.conv
@@ -423,10 +427,7 @@ class Conv2dHelper(LayerHelper):
                                (sc, dh * sy, sh * sy, sx)).sum(dim=2)  # (c_in, k_h, W)
         rc, ry, rx = rows.stride()
         taps = rows.as_strided((channels, kh, kw, out_w), (rc, ry, dw * rx, sw * rx)).sum(dim=3)
-        row = taps.reshape(-1).div_(out_h * out_w)
-        if not self.has_bias:
-            return row
-        return torch.cat([row, row.new_ones(1)])
+        return taps.reshape(-1).div_(out_h * out_w)
 
 
 _HELPERS: dict[type[nn.Module], type[LayerHelper]] = {

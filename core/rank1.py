@@ -57,15 +57,17 @@ WIRE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 @traced("activation_vector")
 def activation_vector(helper: LayerHelper, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``ā``: the mean over all rows of a captured layer input (bias entry 1 appended), in
-    ``dtype``; see :meth:`~core.layers.LayerHelper.mean_a_row`."""
-    return helper.mean_a_row(x, dtype)
+    """``ā`` without its bias entry: the mean over all rows of a captured layer input, in
+    ``dtype``; see :meth:`~core.layers.LayerHelper.mean_input_row`. The bias entry, 1, is
+    placed when the layers' vectors are concatenated (:meth:`Rank1Layer.vector_parts`)."""
+    return helper.mean_input_row(x, dtype)
 
 
 @traced("gradient_vector")
 def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
-                    per_example: bool) -> Tensor:
-    """A mean output-gradient row of a captured output gradient ``g`` (as autograd hands it).
+                    per_example: bool, scale: float = 1.0) -> Tensor:
+    """A mean output-gradient row of a captured output gradient ``g`` (as autograd hands it),
+    times ``scale``, in one reduction and at most one multiplication.
 
     Args:
         helper: The layer's helper.
@@ -76,12 +78,17 @@ def gradient_vector(helper: LayerHelper, gy: Tensor, dtype: torch.dtype, *,
             example's ``B Σ_t g_t / L`` (that is ``Σ g / L``); this is the official code's
             scaling. False for Eva's statistic, the plain mean of ``g`` over rows, which is what
             Eva's code uses and what its damping values are tuned against.
+        scale: A further factor (the accumulation steps over the loss scale).
     """
     rows = helper.g_rows(gy)
-    mean = rows.rows.mean(dim=(0, 1), dtype=dtype)  # CUDA fp16/bf16 -> fp32 without a copy
-    if not per_example:
-        return mean
-    return mean * (rows.batch if rows.spatial else rows.batch * rows.positions)
+    # reductions in dtype: CUDA fp16/bf16 -> fp32 without a copy
+    if per_example and not rows.spatial:  # R · mean = Σ g
+        vector = rows.rows.sum(dim=(0, 1), dtype=dtype)
+    else:
+        vector = rows.rows.mean(dim=(0, 1), dtype=dtype)
+        if per_example:
+            scale *= rows.batch
+    return vector if scale == 1.0 else vector.mul_(scale)
 
 
 @dataclass(kw_only=True)
@@ -142,25 +149,28 @@ class Rank1Layer(PreconditionedLayer):
         self.dtype = dtype
 
     def capture_input(self, x: Tensor) -> None:
-        """Accumulate ``ā`` of one forward call."""
+        """Accumulate ``ā`` (without its bias entry) of one forward call."""
         self.check_input(x)
         self.a.accumulate(activation_vector(self.helper, x, self.dtype))
 
     def capture_grad_output(self, gy: Tensor) -> None:
         """Accumulate the gradient statistic of one backward call."""
-        vector = gradient_vector(self.helper, gy, self.dtype, per_example=self.per_example)
-        self.g.accumulate(vector * self.grad_multiplier())
+        self.g.accumulate(gradient_vector(self.helper, gy, self.dtype,
+                                          per_example=self.per_example,
+                                          scale=self.grad_multiplier()))
 
-    def take_vectors(self) -> Tensor:
-        """``[ā; ḡ]`` of this step (zeros for a layer that was not captured), pending cleared."""
+    def vector_parts(self, one: Tensor) -> list[Tensor]:
+        """The parts of ``[ā; ḡ]`` of this step, pending cleared: ``ā``, ``one`` (the bias
+        entry, a 1-element tensor of ones) with a bias, and ``ḡ``; one part of zeros for a
+        layer that was not captured. The caller concatenates every layer's parts at once."""
         a, g = self.a.take_batch(), self.g.take_batch()
         if a is None or g is None:
             warnings.warn(f"{self.name}: no statistics were captured on an update step (was the "
                           "module called in the forward pass, in training mode with gradients "
                           "enabled: model.train(), not under torch.no_grad()?); sending zeros",
                           stacklevel=3)
-            return torch.zeros(self.a_dim + self.g_dim, dtype=self.dtype, device=self.device)
-        return torch.cat([a, g])
+            return [torch.zeros(self.a_dim + self.g_dim, dtype=self.dtype, device=self.device)]
+        return [a, one, g] if self.helper.has_bias else [a, g]
 
     def discard_pending(self) -> None:
         """Forget this step's captured vectors (an overflowed AMP step)."""
@@ -280,7 +290,9 @@ class Rank1Preconditioner:
             return
         if self._capturing and self.layers:
             with self.timer.stage("factors"):
-                vector = torch.cat([layer.take_vectors() for layer in self.layers])
+                one = torch.ones(1, dtype=self.dtype, device=self.layers[0].device)
+                vector = torch.cat([part for layer in self.layers
+                                    for part in layer.vector_parts(one)])
             with self.timer.stage("factor_comm"):
                 vector = self._communicate(vector)
             with self.timer.stage("inversion"):

@@ -102,6 +102,9 @@ def test_linear_mean_row_equals_the_mean_of_its_rows(bias: bool, shape: tuple[in
     rows = helper.a_rows(x.to(F64)).rows  # type: ignore[union-attr]
     torch.testing.assert_close(helper.mean_a_row(x, F64),  # type: ignore[union-attr]
                                rows.mean(dim=(0, 1)), rtol=1e-15, atol=1e-15)
+    # what the rank-1 methods capture: the same without the bias entry
+    torch.testing.assert_close(helper.mean_input_row(x, F64),  # type: ignore[union-attr]
+                               rows.mean(dim=(0, 1))[:4], rtol=1e-15, atol=1e-15)
 
 
 @pytest.mark.parametrize("conv", [
@@ -156,11 +159,12 @@ def test_conv_mean_row_reads_any_input_layout(conv: nn.Conv2d, layout: str) -> N
                                              (nn.Linear(3, 4), (2, 5, 4)),
                                              (nn.Linear(3, 4), (6, 4))])
 @pytest.mark.parametrize("per_example", [False, True])
+@pytest.mark.parametrize("factor", [1.0, 0.375])
 def test_gradient_vector_of_a_bf16_gradient_is_its_exact_mean_in_the_statistics_dtype(
-        module: nn.Module, shape: tuple[int, ...], per_example: bool) -> None:
+        module: nn.Module, shape: tuple[int, ...], per_example: bool, factor: float) -> None:
     """Eva's plain mean and MKOR's ``R``-scaled one of a bf16 output gradient, accumulated in
     float64: the exact mean of the bf16 values (times ``B`` for a convolution, ``B·T`` for a
-    Linear under MKOR)."""
+    Linear under MKOR), times the given further ``scale``."""
     gy = torch.randn(*shape, dtype=F64).bfloat16()
     conv = gy.dim() == 4
     if conv:
@@ -168,8 +172,9 @@ def test_gradient_vector_of_a_bf16_gradient_is_its_exact_mean_in_the_statistics_
     exact = (gy.double().movedim(1, -1) if conv else gy.double()).reshape(-1, 4).mean(dim=0)
     scale = 1 if not per_example else shape[0] if conv else gy[..., 0].numel()
     torch.testing.assert_close(
-        gradient_vector(helper_for(module), gy, F64, per_example=per_example),  # type: ignore[arg-type]
-        exact * scale, rtol=1e-14, atol=1e-15)
+        gradient_vector(helper_for(module), gy, F64, per_example=per_example,  # type: ignore[arg-type]
+                        scale=factor),
+        exact * scale * factor, rtol=1e-14, atol=1e-15)
 
 
 @pytest.mark.parametrize("module", [nn.Conv2d(2, 3, 2), nn.Linear(4, 3, bias=False),
