@@ -95,13 +95,16 @@ def stabiliser_fires(inverse: Tensor, epsilon: float) -> bool:
 
 class RankOneUpdate(NamedTuple):
     """``L_t⁻¹ = scale·L⁻¹ + coeff·u uᵀ + shift·I`` (see :func:`update_inverse`), with
-    ``u_peak = max |u_i|`` for :func:`cannot_overflow`."""
+    ``u_peak = max |u_i|`` for :func:`cannot_overflow`, and ``definite``: whether the
+    Sherman–Morrison denominator is positive, so that a positive definite ``L⁻¹`` gives a
+    positive definite ``L_t⁻¹`` (it is, for a positive definite ``L⁻¹``)."""
 
     scale: float
     shift: float
     coeff: float
     u: Tensor
     u_peak: float
+    definite: bool
 
 
 @traced("rank1_terms")
@@ -127,15 +130,18 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
     low, high, quad = torch.stack([*torch.aminmax(u), torch.dot(v, u)]).tolist()
     if rule == "official":
         scale, shift = weight, rest
-        coeff = -1.0 / (1.0 + quad)
+        numerator, denominator = -1.0, 1.0 + quad
     elif rule == "exact":
         ratio = (1.0 - gamma) / gamma
         scale, shift = blend / gamma, (1.0 - blend) / gamma
-        coeff = -(ratio / gamma) / (1.0 + ratio * quad)
+        numerator, denominator = -ratio / gamma, 1.0 + ratio * quad
     else:  # paper
         scale, shift = gamma * blend, gamma * (1.0 - blend)
-        coeff = (1.0 - gamma) / (gamma**2 * (1.0 + gamma * (1.0 - gamma) * quad))
-    return RankOneUpdate(scale, shift, coeff, u, _peak(low, high))
+        numerator, denominator = (1.0 - gamma) / gamma**2, 1.0 + gamma * (1.0 - gamma) * quad
+    # a zero denominator (an inverse gone indefinite) gives an infinite term, which the
+    # caller's checks turn into a counted failure
+    coeff = numerator / denominator if denominator else math.inf
+    return RankOneUpdate(scale, shift, coeff, u, _peak(low, high), denominator > 0)
 
 
 @traced("rank1_update")
@@ -279,6 +285,8 @@ class MKORLayer(Rank1Layer):
                  storage_dtype: torch.dtype, grad_multiplier: Callable[[], float]) -> None:
         super().__init__(name, helper, dtype=dtype, grad_multiplier=grad_multiplier)
         self.storage_dtype = storage_dtype
+        # the narrower of the arithmetic and the storage dtype, which an update must fit
+        self._range_dtype = min(dtype, storage_dtype, key=lambda t: torch.finfo(t).max)
         self.a_inv = torch.eye(self.a_dim, dtype=storage_dtype, device=self.device)
         self.g_inv = torch.eye(self.g_dim, dtype=storage_dtype, device=self.device)
         self.a_vec: Tensor | None = None
@@ -312,10 +320,12 @@ class MKORLayer(Rank1Layer):
         Passes over the matrix: the matrix-vector product and the ``addr`` update. The
         result's ``max |·|`` is the next update's stabiliser trigger (cached, so the
         stabiliser does not read the matrix again). When the result provably cannot overflow
-        (:func:`cannot_overflow`) it is finite and its diagonal gives that maximum; the
-        matrix is then updated in place if the storage dtype is the arithmetic one. Otherwise
-        the update goes to a new matrix, the old one stays for the failure path, and a third
-        pass takes ``max |·|`` of the result, which also checks that it is finite.
+        in the arithmetic or the storage dtype (:func:`cannot_overflow`) it is finite, and the
+        matrix is updated in place if those dtypes agree; if the update also keeps the
+        inverse positive definite (:attr:`RankOneUpdate.definite`), its diagonal gives that
+        maximum. Otherwise the update goes to a new matrix, the old one stays for the failure
+        path, and a third pass takes ``max |·|`` of the result, which also checks that it is
+        finite.
         """
         if peak is None:  # first update, or after load_state_dict
             peak = max_abs(inverse)
@@ -323,13 +333,13 @@ class MKORLayer(Rank1Layer):
         self.stabilisations += int(fired)
         work = inverse.to(self.dtype)  # the stored inverse itself when the dtypes agree
         terms = update_terms(work, v, gamma, rule, blend=zeta if fired else 1.0)
-        safe = cannot_overflow(terms, peak, self.storage_dtype)
+        safe = cannot_overflow(terms, peak, self._range_dtype)
         new = apply_update(work, terms, in_place=work is not inverse or safe
                            ).to(self.storage_dtype)
         # Every rule keeps the inverse symmetric positive definite (it starts at I), whose
         # largest entry in magnitude lies on its diagonal (|m_ij| ≤ √(m_ii m_jj)); so where
         # the result is certainly finite its diagonal gives max |·| without a pass over it.
-        new_peak = max_abs(new.diagonal()) if safe else max_abs(new)
+        new_peak = max_abs(new.diagonal()) if safe and terms.definite else max_abs(new)
         if math.isfinite(new_peak):
             return new, new_peak
         self.update_failures += 1

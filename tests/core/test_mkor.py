@@ -470,6 +470,23 @@ def test_the_cached_stabiliser_trigger_is_the_largest_entry_of_each_inverse(
     assert mkor.metrics()["update_failures"] == 0
 
 
+@pytest.mark.parametrize("rule", ["exact", "official"])
+def test_a_zero_sherman_morrison_denominator_is_a_counted_failure(rule: str) -> None:
+    """An inverse gone indefinite (here one given to the layer) can make the update's
+    denominator exactly zero: the update is skipped and counted, not raised."""
+    mkor = MKORPreconditioner(nn.Linear(2, 1, bias=False), inv_update_steps=1,
+                              stat_decay=0.5, update_rule=rule, epsilon=math.inf)
+    layer = mkor.layers[0]
+    # exact: 1 + ((1 − γ)/γ)·vᵀMv = 1 + m11; official: 1 + vᵀ(γM + (1 − γ)I)v = 1.5 + m11/2
+    start = torch.diag(torch.tensor([-1.0 if rule == "exact" else -3.0, 1.0]))
+    layer.a_inv = start.clone()
+    with pytest.warns(UserWarning, match="not finite"):
+        layer.update(torch.tensor([1.0, 0.0]), torch.tensor([0.5]), gamma=0.5, rule=rule,
+                     epsilon=math.inf, zeta=0.9)
+    assert layer.update_failures == 1
+    assert torch.equal(layer.a_inv, start)
+
+
 def test_state_dict_round_trip_gives_the_same_next_step() -> None:
     torch.manual_seed(9)
     data = [(torch.randn(6, 3, 5, 5), torch.randint(0, 4, (6,))) for _ in range(4)]
