@@ -96,14 +96,23 @@ def gram_diagonal_checks(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[b
 
     A batch factor is a sum of Gram matrices, so ``|F_ij| <= sqrt(F_ii F_jj)``: it is finite
     exactly when its diagonal is (an inf or NaN row entry reaches the diagonal too), and zero
-    exactly when its diagonal is (no row, or only zero rows, went into it).
+    exactly when its diagonal is (no row, or only zero rows, went into it). Its diagonal
+    entries are sums of squares, never negative, so both are read from its trace, summed in
+    float64 (no sum of finite float32 entries overflows there): finite exactly when the
+    diagonal is, zero exactly when it is. The traces of all factors come from one
+    concatenation of their diagonals and one indexed sum, a few ops whatever the layer count.
     """
-    flags = []
-    for a, g in pairs:
-        flags += [a.diagonal().isfinite().all() & g.diagonal().isfinite().all(),
-                  a.diagonal().any()]
-    values = torch.stack(flags).tolist() if flags else []
-    return [(values[i], not values[i + 1]) for i in range(0, len(values), 2)]
+    if not pairs:
+        return []
+    diagonals = [d for a, g in pairs for d in (a.diagonal(), g.diagonal())]
+    device = diagonals[0].device
+    sizes = [d.numel() for d in diagonals]
+    owner = torch.arange(len(sizes), device=device).repeat_interleave(
+        torch.tensor(sizes, device=device), output_size=sum(sizes))
+    traces = torch.zeros(len(sizes), dtype=torch.float64, device=device).index_add_(
+        0, owner, torch.cat(diagonals).to(torch.float64)).tolist()
+    return [(math.isfinite(traces[i]) and math.isfinite(traces[i + 1]), traces[i] == 0)
+            for i in range(0, len(traces), 2)]
 
 
 def _feature_major(rows: Tensor) -> Tensor:

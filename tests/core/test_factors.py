@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from core import KFACPreconditioner
-from core.factors import SymmetricGram
+from core.factors import SymmetricGram, gram_diagonal_checks
 from core.layers import Conv2dHelper
 from tests.core.reference import conv_patches_naive, reference_factors, with_bias_column
 
@@ -250,3 +250,33 @@ def test_host_syrk_uses_as_many_blas_threads_as_torch() -> None:
             assert openblas and all(lib["num_threads"] == threads for lib in openblas)
     finally:
         torch.set_num_threads(before)
+
+
+def test_gram_diagonal_checks_flag_non_finite_and_all_zero_factors() -> None:
+    """Per ``(A, G)`` pair: finite exactly when every entry of both is (checked against
+    ``isfinite`` of the whole matrices), ``A`` zero exactly when all of it is; factors of
+    several sizes, in one call. Diagonal entries near float32's largest value, whose float32
+    trace would overflow, are still finite."""
+    gen = torch.Generator().manual_seed(4)
+
+    def gram(dim: int, rows: int = 3) -> torch.Tensor:
+        m = torch.randn(dim, rows, generator=gen)
+        return m @ m.T
+
+    huge = torch.diag(torch.full((3,), 3e38))
+    nan_off_diagonal = gram(4)
+    nan_off_diagonal[0, 1] = nan_off_diagonal[1, 0] = float("nan")
+    nan_row = gram(5)
+    nan_row[2, :] = nan_row[:, 2] = float("nan")  # what a NaN row entry makes of a Gram
+    inf_diagonal = gram(2)
+    inf_diagonal[1, 1] = float("inf")
+    pairs = [(gram(3), gram(2)), (torch.zeros(4, 4), gram(6)), (huge, gram(2)),
+             (gram(5), nan_row), (inf_diagonal, gram(3)), (torch.zeros(2, 2), torch.zeros(1, 1))]
+    expected = [(bool(a.isfinite().all() and g.isfinite().all()), not bool(a.any()))
+                for a, g in pairs]
+    assert expected == [(True, False), (True, True), (True, False), (False, False),
+                        (False, False), (True, True)]
+    assert gram_diagonal_checks(pairs) == expected
+    assert gram_diagonal_checks([]) == []
+    # a NaN off the diagonal alone is not a Gram matrix's: the check reads diagonals only
+    assert gram_diagonal_checks([(nan_off_diagonal, gram(2))]) == [(True, False)]
