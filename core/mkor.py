@@ -295,7 +295,7 @@ class MKORLayer(Rank1Layer):
         self.update_failures = 0
         self.wide_rescales = 0
         self.nonfinite_preconditioned = 0
-        # max |·| of each inverse in the arithmetic dtype, cached from its last update.
+        # max |·| of each inverse, cached from its last update (the stabiliser's trigger).
         self._a_peak: float | None = None
         self._g_peak: float | None = None
 
@@ -338,7 +338,7 @@ class MKORLayer(Rank1Layer):
                            ).to(self.storage_dtype)
         # Every rule keeps the inverse symmetric positive definite (it starts at I), whose
         # largest entry in magnitude lies on its diagonal (|m_ij| ≤ √(m_ii m_jj)); so where
-        # the result is certainly finite its diagonal gives max |·| without a pass over it.
+        # the result is certainly finite and stays definite, its diagonal gives max |·|.
         new_peak = max_abs(new.diagonal()) if safe and terms.definite else max_abs(new)
         if math.isfinite(new_peak):
             return new, new_peak
