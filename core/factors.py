@@ -7,6 +7,7 @@ or fp64 with autocast disabled, whatever the model's dtype, and symmetrised.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -88,6 +89,15 @@ class SymmetricGram:
         return out
 
 
+@functools.lru_cache(maxsize=64)
+def _diagonal_owners(sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    """Which diagonal each entry of the concatenated diagonals of ``sizes`` comes from: the
+    same few layouts recur every step (all layers at once, or one layer's pair), so building
+    it is paid once per layout (it was most of the cost of one layer's checks)."""
+    return torch.arange(len(sizes), device=device).repeat_interleave(
+        torch.tensor(sizes, device=device), output_size=sum(sizes))
+
+
 @traced("batch_finiteness_check")
 def gram_diagonal_checks(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[bool, bool]]:
     """For each layer's ``(A, G)`` batch factors: whether both are finite, and whether ``A`` is
@@ -106,11 +116,9 @@ def gram_diagonal_checks(pairs: Sequence[tuple[Tensor, Tensor]]) -> list[tuple[b
         return []
     diagonals = [d for a, g in pairs for d in (a.diagonal(), g.diagonal())]
     device = diagonals[0].device
-    sizes = [d.numel() for d in diagonals]
-    owner = torch.arange(len(sizes), device=device).repeat_interleave(
-        torch.tensor(sizes, device=device), output_size=sum(sizes))
+    sizes = tuple(d.numel() for d in diagonals)
     traces = torch.zeros(len(sizes), dtype=torch.float64, device=device).index_add_(
-        0, owner, torch.cat(diagonals).to(torch.float64)).tolist()
+        0, _diagonal_owners(sizes, device), torch.cat(diagonals).to(torch.float64)).tolist()
     return [(math.isfinite(traces[i]) and math.isfinite(traces[i + 1]), traces[i] == 0)
             for i in range(0, len(traces), 2)]
 

@@ -89,11 +89,13 @@ def test_cholesky_in_place_refuses_a_matrix_it_would_have_to_copy() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("n", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 256, 512, 520])
 def test_mirror_upper_copies_the_upper_triangle_exactly_in_place(dtype: torch.dtype,
                                                                   n: int) -> None:
-    """Panel edges included (``MIRROR_PANEL`` is 64): the result is the upper triangle
-    reflected, bit for bit, in the matrix's own memory."""
+    """Panel edges included, for panels of 64, 32 and 16 rows (``mirror_panel``: fp32
+    rows of 256 and 512, fp64 rows of 256 and 512 share powers of two with the L1 set stride;
+    520 ends on a partial panel): the result is the upper triangle reflected, bit for bit, in
+    the matrix's own memory."""
     torch.manual_seed(4)
     matrix = torch.randn(n, n, dtype=dtype)
     upper = matrix.triu()
@@ -101,6 +103,17 @@ def test_mirror_upper_copies_the_upper_triangle_exactly_in_place(dtype: torch.dt
     host_kernels.mirror_upper(matrix)
     assert matrix.data_ptr() == address
     assert torch.equal(matrix, upper + upper.triu(1).T)
+
+
+@pytest.mark.parametrize(("row_bytes", "panel"), [
+    (4 * 1024, 16), (4 * 2048, 16), (4 * 4608, 16), (4 * 256, 32), (4 * 2304, 32),
+    (4 * 1025, 64), (4 * 1152, 64), (4 * 64, 64), (8 * 256, 16), (8 * 520, 64)])
+def test_mirror_panel_fits_the_l1_sets_a_column_of_the_panel_falls_in(row_bytes: int,
+                                                                      panel: int) -> None:
+    """Rows that are a multiple of 4 KiB put every line of a column in one L1 set, so the
+    panel is the 16-row floor; each halving of the shared power of two doubles the sets, up
+    to the 64-row cap."""
+    assert host_kernels.mirror_panel(row_bytes) == panel
 
 
 def test_syrk_upper_of_no_rows_is_beta_times_out() -> None:
