@@ -95,7 +95,9 @@ class KFACLayer(PreconditionedLayer):
         Building factors after the backward pass, when autograd has freed the activations,
         keeps them out of the memory peak. A stride-1 convolution's ``A`` comes from shifted
         views of its input where that is cheaper (:mod:`core.conv_gram`), with no rows at all.
-        Otherwise rows that are a copy are built and multiplied one
+        DP-KFAC's ``A`` of a sequence layer averages each example's rows, so they come from
+        the averaged input (:meth:`~core.layers.LayerHelper.example_mean_a_rows`). Otherwise
+        rows that are a copy are built and multiplied one
         batch slice at a time (see :data:`core.layers.ROW_PART_BYTES`). With ``timer``, row
         building is timed as ``capture`` and the factor GEMMs as ``factors``.
         """
@@ -106,9 +108,11 @@ class KFACLayer(PreconditionedLayer):
             if plan is not None:
                 self.a.accumulate(self._shifted_factor(x, plan, stage))
                 continue
+            slices, rows_of = helper.input_slices(x, dtype), partial(helper.a_rows, dtype=dtype)
+            if self.scaling == "dpkfac" and helper.sequence_positions:  # B rows in all
+                slices, rows_of = (x,), partial(helper.example_mean_a_rows, dtype=dtype)
             self.a.accumulate(self._batch_factor(
-                SymmetricGram(self.a_dim, dtype, x.device),
-                helper.input_slices(x, dtype), partial(helper.a_rows, dtype=dtype),
+                SymmetricGram(self.a_dim, dtype, x.device), slices, rows_of,
                 partial(add_a_rows, batch=x.shape[0], scaling=self.scaling), stage))
         for gy, multiplier in self.captured_grads:
             self.g.accumulate(self._batch_factor(

@@ -83,6 +83,9 @@ class LayerHelper:
     Attributes:
         input_dims: The fewest and the most dimensions (None: any) of an input the rows are
             built from.
+        sequence_positions: Whether an example's rows are positions of a sequence (Linear)
+            rather than convolution output locations: DP-KFAC's factors average them per
+            example (:meth:`example_mean_a_rows`).
         has_bias: Whether the module's bias is trained, decided when the helper is built: it
             becomes the last column of ``W̄`` (a bias frozen then is left out, so the weight's
             curvature has no column for it). The factors' shapes follow from it, so a bias
@@ -91,6 +94,7 @@ class LayerHelper:
     """
 
     input_dims: tuple[int, int | None] = (2, None)
+    sequence_positions: bool = False
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -136,6 +140,15 @@ class LayerHelper:
     def g_rows(self, gy: Tensor) -> Rows:
         """Output-gradient rows of a captured output gradient."""
         raise NotImplementedError
+
+    def example_mean_a_rows(self, x: Tensor, dtype: torch.dtype) -> Rows:
+        """Each example's input rows averaged over its positions, ``(B, 1, a_dim)`` in
+        ``dtype`` with the bias entry, for a layer with :attr:`sequence_positions`.
+
+        Rows are affine in the input, so the input is averaged first and the bias entry
+        appended to ``B`` rows: the rows themselves are never materialised.
+        """
+        raise NotImplementedError(f"{type(self).__name__} rows are not sequence positions")
 
     def mean_a_row(self, x: Tensor, dtype: torch.dtype) -> Tensor:
         """The mean input row ``ā`` over all rows of a captured input (bias entry appended)."""
@@ -293,9 +306,15 @@ def _in_layout(param: Tensor, value: Tensor) -> Tensor:
 class LinearHelper(LayerHelper):
     """``nn.Linear`` with 2-D ``(B, D)`` or N-D ``(B, ..., D)`` inputs (positions flattened)."""
 
+    sequence_positions = True
+
     def a_rows(self, x: Tensor, dtype: torch.dtype | None = None) -> Rows:
         x = x.reshape(x.shape[0], -1, x.shape[-1]).to(dtype or x.dtype)
         return Rows(self._append_bias(x), spatial=False)
+
+    def example_mean_a_rows(self, x: Tensor, dtype: torch.dtype) -> Rows:
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        return Rows(self._append_bias(x.mean(dim=1, keepdim=True, dtype=dtype)), spatial=False)
 
     def g_rows(self, gy: Tensor) -> Rows:
         return Rows(gy.reshape(gy.shape[0], -1, gy.shape[-1]), spatial=False)

@@ -43,12 +43,16 @@ def test_linear_2d_factors(scaling: str, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_linear_3d_factors(scaling: str) -> None:
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_3d_factors(scaling: str, bias: bool) -> None:
+    """With ``dpkfac`` the rows are averaged per example from the averaged input, the bias
+    entry appended after: the same factor as averaging the rows themselves."""
     torch.manual_seed(1)
-    layer = nn.Linear(4, 6).double()
+    layer = nn.Linear(4, 6, bias=bias).double()
     x = torch.randn(3, 5, 4, dtype=torch.float64)  # (B, T, D)
     a, g, gy = captured_factors(layer, x, scaling)
-    ref_a, ref_g = reference_factors(with_bias_column(x), gy, spatial=False, scaling=scaling)
+    rows = with_bias_column(x) if bias else x
+    ref_a, ref_g = reference_factors(rows, gy, spatial=False, scaling=scaling)
     torch.testing.assert_close(a, ref_a)
     torch.testing.assert_close(g, ref_g)
 
