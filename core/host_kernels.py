@@ -137,7 +137,9 @@ MIRROR_PANEL = 64
 #: Addresses this many bytes apart fall in the same set of the L1 data cache (64 sets of
 #: 64-byte lines on this project's x86 CPUs, Intel and AMD alike).
 L1_ALIAS_BYTES = 4096
-#: Lines one L1 set holds (8 on the AMD EPYC hosts, 12 on the Xeons; the smaller is assumed).
+#: Lines of one L1 set a panel's column may take. Both hosts' L1 is 12-way (48 KiB, 64 sets);
+#: 8 leaves room for the lines the copy writes, and panels sized by 12 measured the same
+#: within the noise on the AMD EPYC host.
 L1_WAYS = 8
 
 
