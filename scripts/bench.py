@@ -1398,6 +1398,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sizes = (32, 64, 128) if args.quick else (256, 512, 1024, 2048)
     rows: list[Row] = []
     base_steps: dict[str, float] = {}
+    drift: dict[str, str] = {}
     raw: dict[str, dict[str, Any]] = {}
     all_rates: dict[str, Rates] = {}
     for name in names:
@@ -1424,6 +1425,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         # one before the runs and one after, so a slow spell cannot lower a bound.
         rates = all_rates[name] = before.fastest(rates_now())
         base_steps[name] = base_step(runs.values())
+        drift[name] = base_drift(runs)
         for method in methods:
             run, base_peak = measured[method.name]
             rows += summarise(name, base_peak, method, run, rates, args.intervals)
@@ -1434,6 +1436,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     goals = targets(rows, peers, memory_floor(device.type))
     env["methods measured"] = ("one after another in this process" if args.in_process
                                else "each in a fresh process")
+    env["base step beside each method (s, in run order)"] = "; ".join(
+        f"{name}: {text}" for name, text in drift.items())
     tables = {
         "environment": "\n".join(f"- {k}: {v}" for k, v in env.items())
         + f"\n- load average (1, 5, 15 min): start {load['start']}, end {load['end']}"
@@ -1490,6 +1494,29 @@ def rerender_targets(saved: dict[str, Any]) -> dict[str, Any]:
 def base_step(runs: Iterable[MethodRun]) -> float:
     """A workload's first-order step: the median of the base steps run beside its methods."""
     return statistics.median(t for run in runs for t in run.base_seconds)
+
+
+#: Spread of a workload's base step from one method's run to another's above which the run
+#: says that the host's speed moved while it ran.
+BASE_DRIFT_FLAG = 1.10
+
+
+def base_drift(runs: dict[str, MethodRun]) -> str:
+    """The base step's median beside each method, in the order they ran, and their spread.
+
+    Each step's ratio pairs it with the base step run just before it, so it survives a host
+    that slows down; a stage's ratio to its bound does not, since the bounds take the rates of
+    the run's quieter moments (:meth:`Rates.fastest`). A spread above
+    :data:`BASE_DRIFT_FLAG` says so.
+    """
+    medians = {name: statistics.median(run.base_seconds) for name, run in runs.items()}
+    spread = max(medians.values()) / min(medians.values())
+    text = (", ".join(f"{name} {seconds:.3f}" for name, seconds in medians.items())
+            + f" (spread {spread:.2f}x)")
+    if spread > BASE_DRIFT_FLAG:
+        text += (": the host's speed moved during the run; its stage ratios to the bounds "
+                 "read high where it was slow")
+    return text
 
 
 def memory_floor(device_type: str) -> float:

@@ -31,6 +31,8 @@ def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
     for title in ("environment", "rates", "results", "bounds", "targets"):
         assert f"### {title}" in printed
     assert "torch_threads: 1" in printed and "load average" in printed
+    assert all(f"{workload}: kfac-eigen " in result["environment"][
+        "base step beside each method (s, in run order)"] for workload in bench.QUICK)
     # the allocator setting the script asks for (docs/benchmarks.md, "Huge pages") is recorded
     assert result["environment"]["THP_MEM_ALLOC_ENABLE"] == os.environ["THP_MEM_ALLOC_ENABLE"]
     written = json.loads(out.read_text())
@@ -50,6 +52,17 @@ def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
             assert row["failures"] == 0, row
     for workload in bench.QUICK:
         assert f"| {workload} | kfac-inverse | 10 |" in printed
+
+
+def test_base_drift_lists_each_methods_base_step_in_run_order_and_flags_a_spread() -> None:
+    """Medians per method in the order given, their spread, and the flag only above 1.10x."""
+    def run(*base: float) -> bench.MethodRun:
+        return bench.MethodRun(["plain"] * len(base), list(base), list(base), [], 0, 0, [], 0)
+
+    steady = bench.base_drift({"kfac-eigen": run(1.0, 1.1, 0.9), "mkor": run(1.05)})
+    assert steady == "kfac-eigen 1.000, mkor 1.050 (spread 1.05x)"
+    drifted = bench.base_drift({"mkor": run(1.6), "eva": run(1.0, 1.0)})
+    assert drifted.startswith("mkor 1.600, eva 1.000 (spread 1.60x): the host's speed moved")
 
 
 @pytest.mark.parametrize(("threshold", "device", "side"), [
