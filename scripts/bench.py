@@ -76,6 +76,7 @@ if str(ROOT) not in sys.path:  # benchmark this checkout's core, not an installe
 import core.inverse  # noqa: E402
 from core import host_kernels  # noqa: E402
 from core.config import ConfigError  # noqa: E402
+from core.host_memory import keep_freed_memory  # noqa: E402
 from core.inverse import inverse_in_place  # noqa: E402
 from core.layers import helper_for  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
@@ -763,9 +764,14 @@ def state_bytes(precond: Any) -> int:
 def run_method(workload: Workload, method: Method, base: Trainer, device: torch.device,
                clock: Clock, memory: MemoryProbe,
                autocast: Callable[[], AbstractContextManager[Any]],
-               check_size: int = 0) -> MethodRun:
+               check_size: int = 0, keep_memory: bool = False) -> MethodRun:
     """Train ``workload`` with ``method``, each step right after a step of ``base`` (and,
-    with ``check_size``, a GEMM throughput check before each pair)."""
+    with ``check_size``, a GEMM throughput check before each pair).
+
+    With ``keep_memory`` the timed steps run with freed CPU memory kept in the process for
+    reuse (:func:`~core.host_memory.keep_freed_memory`), returned to the system afterwards: the
+    warm-up steps, on which memory is measured, return it as freed, so their resident peak
+    counts what is live and not the holes a heap that only grows would add."""
     kinds = step_kinds(workload.rounds)
     updates = frozenset(i for i, kind in enumerate(kinds) if kind == "update")
     trainer = Trainer(workload, method, updates, device, autocast)
@@ -782,21 +788,27 @@ def run_method(workload: Workload, method: Method, base: Trainer, device: torch.
     memory.start()
     seconds, base_seconds, stages, peak = [], [], [], 0
     checks = []
-    for i in range(len(kinds)):
-        if check_size:
-            checks.append(gemm_rate(*check, clock, repeats=2))
-        base.start.restore()
-        base_seconds.append(clock.time(base.step))
-        trainer.start.restore()
-        warm = i < WARM_STEPS  # memory is measured on the untimed warm-up steps only: its
-        if warm:  # probe returns freed heap memory, which timed steps would pay to fault in
-            memory.mark()
-        seconds.append(clock.time(trainer.step))
-        if warm:
-            peak = max(peak, memory.peak())
-        stages.append(dict(precond.timer.last))
-        for handle in handles:  # the first step recorded the rows
-            handle.remove()
+    try:
+        for i in range(len(kinds)):
+            if i == WARM_STEPS and keep_memory:
+                keep_freed_memory()
+            if check_size:
+                checks.append(gemm_rate(*check, clock, repeats=2))
+            base.start.restore()
+            base_seconds.append(clock.time(base.step))
+            trainer.start.restore()
+            warm = i < WARM_STEPS  # memory is measured on the untimed warm-up steps only: its
+            if warm:  # probe returns freed heap memory, which timed steps would pay to fault in
+                memory.mark()
+            seconds.append(clock.time(trainer.step))
+            if warm:
+                peak = max(peak, memory.peak())
+            stages.append(dict(precond.timer.last))
+            for handle in handles:  # the first step recorded the rows
+                handle.remove()
+    finally:
+        if keep_memory:
+            keep_freed_memory(False)
     metrics = precond.metrics()
     return MethodRun(
         kinds[WARM_STEPS:], seconds[WARM_STEPS:], base_seconds[WARM_STEPS:],
@@ -859,6 +871,8 @@ class RunSpec:
         method: Name in :data:`METHODS`. device: Torch device string. threads: Torch threads.
         autocast: bf16 autocast for the forward and backward (GPU).
         check_size: Size of the GEMM throughput check before each timed step (0: none).
+        keep_memory: Keep freed CPU memory in the process for reuse over the timed steps
+            (:func:`run_method`).
     """
 
     workload: str
@@ -868,6 +882,7 @@ class RunSpec:
     threads: int
     autocast: bool
     check_size: int = 0
+    keep_memory: bool = True
 
     def resolve(self) -> tuple[Workload, Method]:
         workload = WORKLOADS[self.workload]
@@ -889,7 +904,7 @@ def measure_method(spec: RunSpec) -> tuple[MethodRun, int]:
 
     base, base_peak = run_base(workload, device, memory, autocast)
     return (run_method(workload, method, base, device, clock, memory, autocast,
-                       spec.check_size), base_peak)
+                       spec.check_size, spec.keep_memory), base_peak)
 
 
 def measure_isolated(spec: RunSpec) -> tuple[MethodRun, int]:
@@ -1241,6 +1256,17 @@ def targets_table(results: Sequence[dict[str, Any]]) -> str:
 
 
 # Driver --------------------------------------------------------------------------------------
+def memory_policy(keep: bool) -> str:
+    """What the timed steps do with freed CPU memory (:func:`run_method`), for the run's
+    environment."""
+    if not keep:
+        return "returned to the system (the C library's default)"
+    if platform.libc_ver()[0] == "glibc":
+        return ("kept in the process for reuse in the timed steps (glibc mallopt: no mmap, "
+                "no trim), returned in the warm-up steps that measure memory")
+    return "returned to the system (not glibc: it cannot be told to keep it)"
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """Thread settings, versions and hardware, recorded with every result."""
     env: dict[str, Any] = {
@@ -1298,6 +1324,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure every method in this process, one after another, "
                              "instead of each in a fresh one (faster to start; what earlier "
                              "methods leave in the allocator then moves later ones)")
+    parser.add_argument("--release-freed-memory", action="store_true",
+                        help="let the C library return freed CPU memory to the system, its "
+                             "default, so every step faults its large tensors in afresh (by "
+                             "default the benchmark keeps freed memory for reuse: "
+                             "core.host_memory, docs/benchmarks.md 'Freed memory')")
     peer_note = (" (default %s; with --reamortize, the saved run's unless given: peers "
                  "measured on the run's host afterwards)")
     parser.add_argument("--peer-kaisa", type=float,
@@ -1382,6 +1413,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         write_json(args.json, out)
         return out
     torch.set_num_threads(args.threads)
+    freed_memory = memory_policy(not args.release_freed_memory)
     device = resolve_device(args.device)
     clock = Clock(device)
     use_autocast = device.type == "cuda" and not args.no_autocast
@@ -1389,6 +1421,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     methods = [m for m in METHODS if m.name in args.methods]
     peers = peers_from_args(args)
     env = environment(device)
+    env["freed CPU memory"] = freed_memory
     env["KAISA figures"] = kaisa_provenance(args, env.get("cpu_model"))
     if kaisa_defaults_elsewhere(args, env.get("cpu_model")) and "resnet18-32" in names:
         print(f"bench.py: KAISA figures are {env['KAISA figures']}", file=sys.stderr,
@@ -1413,7 +1446,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         measured = {}
         for method in methods:
             spec = RunSpec(name, args.rounds, method.name, args.device, args.threads,
-                           use_autocast, check_size=min(sizes, key=lambda n: abs(n - 1024)))
+                           use_autocast, check_size=min(sizes, key=lambda n: abs(n - 1024)),
+                           keep_memory=not args.release_freed_memory)
             measured[method.name] = (measure_method(spec) if args.in_process
                                      else measure_isolated(spec))
             run, base_peak = measured[method.name]

@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from core.host_memory import keep_freed_memory  # noqa: E402
 from core.optim import build_optimizer  # noqa: E402
 from reproductions.common.cli import positive_int  # noqa: E402
 from scripts import bench  # noqa: E402
@@ -320,6 +321,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--inv-dtype", choices=sorted(OURS), default="float32",
                         help="KAISA's inv_dtype; ours keeps its inverses in the same dtype")
     parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--release-freed-memory", action="store_true",
+                        help="let the C library return freed CPU memory to the system (as "
+                             "scripts/bench.py's option of that name; by default it is kept "
+                             "for reuse, as the benchmark does)")
     parser.add_argument("--json", type=Path, help="write every measurement to this file")
     return parser.parse_args(argv)
 
@@ -327,6 +332,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # No memory is measured here: freed memory is kept over the whole run, peer and ours alike
+    keep = not args.release_freed_memory and keep_freed_memory()
+    freed_memory = ("kept in the process for reuse (glibc mallopt: no mmap, no trim)" if keep
+                    else "returned to the system")
     device = torch.device("cpu")  # one process, fp32, process CPU time (bench.Clock)
     kfac = load_kaisa(args.peer_path)
     workload = bench.WORKLOADS[args.workload]
@@ -335,8 +344,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = measure(workload, kaisa_factory(kfac, workload.skip_layers, args.inv_dtype),
                      blocks=args.blocks, device=device, clock=bench.Clock(device),
                      include_ours=not args.no_ours, ours=OURS[args.inv_dtype])
-    out = report(result, peer_provenance(kfac), workload, args.blocks,
-                 bench.environment(device), time.perf_counter() - started, args.inv_dtype)
+    env = bench.environment(device) | {"freed CPU memory": freed_memory}
+    out = report(result, peer_provenance(kfac), workload, args.blocks, env,
+                 time.perf_counter() - started, args.inv_dtype)
     print(out["markdown"])
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

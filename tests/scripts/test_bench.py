@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 from pathlib import Path
 from unittest import mock
 
@@ -26,7 +27,10 @@ from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
 def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
-    result = bench.main(["--quick", "--in-process", "--json", str(out)])
+    # memory kept over the timed steps is covered in a fresh process (the next tests): kept in
+    # this one, it would change the allocator for every later test
+    result = bench.main(["--quick", "--in-process", "--release-freed-memory", "--json",
+                         str(out)])
     printed = capsys.readouterr().out
     for title in ("environment", "rates", "results", "bounds", "targets"):
         assert f"### {title}" in printed
@@ -35,6 +39,7 @@ def test_quick_run_prints_every_table_and_writes_json(tmp_path: Path,
         "base step beside each method (s, in run order)"] for workload in bench.QUICK)
     # the allocator setting the script asks for (docs/benchmarks.md, "Huge pages") is recorded
     assert result["environment"]["THP_MEM_ALLOC_ENABLE"] == os.environ["THP_MEM_ALLOC_ENABLE"]
+    assert result["environment"]["freed CPU memory"].startswith("returned to the system")
     written = json.loads(out.read_text())
     assert written["tables"] == result["tables"]
     rows = {(r["workload"], r["method"], r["interval"]) for r in written["rows"]}
@@ -85,6 +90,8 @@ def test_by_default_each_method_is_measured_in_a_fresh_process() -> None:
     result = bench.main(["--quick", "--workloads", "tiny-cnn", "--methods", "kfac-inverse",
                          "--intervals", "10"])
     assert result["environment"]["methods measured"] == "each in a fresh process"
+    if platform.libc_ver()[0] == "glibc":
+        assert result["environment"]["freed CPU memory"].startswith("kept in the process")
     (row,) = result["rows"]
     assert row["method"] == "kfac-inverse" and row["step_s"] > 0 and row["state_mb"] > 0
     raw = result["raw"]["tiny-cnn"]["kfac-inverse"]
@@ -346,6 +353,36 @@ def test_every_timed_step_starts_from_the_initial_parameters(
     run = bench.run_method(workload, method, base, device, clock, bench.MemoryProbe(device),
                            bench.nullcontext)
     assert len(entries) == 2 * (len(run.seconds) + bench.WARM_STEPS) and all(entries)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_timed_steps_keep_freed_memory_and_the_warm_up_returns_it(
+        keep: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory is measured on the warm-up steps with freed memory returned (their resident peak
+    then counts what is live); from the first timed pair on it is kept, and returned again
+    after the last (docs/benchmarks.md, "Freed memory")."""
+    workload = bench.WORKLOADS["tiny-cnn"]
+    method = next(m for m in bench.METHODS if m.name == "mkor")
+    device = torch.device("cpu")
+    base = bench.Trainer(workload, None, frozenset(), device, bench.nullcontext)
+    steps: list[bench.Trainer] = []
+    calls: list[tuple[bool, int]] = []
+    step = bench.Trainer.step
+
+    def counted(trainer: bench.Trainer) -> None:
+        steps.append(trainer)
+        step(trainer)
+
+    def policy(keep: bool = True) -> bool:
+        calls.append((keep, len(steps)))
+        return True
+
+    monkeypatch.setattr(bench.Trainer, "step", counted)
+    monkeypatch.setattr(bench, "keep_freed_memory", policy)
+    run = bench.run_method(workload, method, base, device, bench.Clock(device),
+                           bench.MemoryProbe(device), bench.nullcontext, keep_memory=keep)
+    pairs = bench.WARM_STEPS + len(run.seconds)  # a base step and a method step each
+    assert calls == ([(True, 2 * bench.WARM_STEPS), (False, 2 * pairs)] if keep else [])
 
 
 @pytest.mark.parametrize(("argv", "cpu_model", "expected"), [
