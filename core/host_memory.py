@@ -7,9 +7,9 @@ it when freed, and gives the top of its heap back to the system once more than i
 threshold is free there. So a training step whose tensors are large (the small BERT's 33 MB
 logits and their gradients, K-FAC's batch factors, decomposition copies and preconditioned
 gradients) faults most of its memory in again every step: on this project's 2-core VM the small
-BERT's first-order step took 0.82-1.63 s, of which 0.02-0.75 s was kernel time spent on 333
-fresh huge pages and some 5,000 small ones per step, against a steady 0.77-0.81 s with no kernel
-time when freed memory stays in the heap (docs/benchmarks.md, "Freed memory").
+BERT's first-order step took 0.82-1.63 s, of which 0.02-0.75 s was kernel time spent on some
+333 fresh huge pages and 5,300-6,900 small ones per step, against 0.77-0.87 s with almost no
+kernel time when freed memory stays in the heap (docs/benchmarks.md, "Freed memory").
 
 :func:`keep_freed_memory` makes glibc keep it: no block is served by a mapping of its own
 (``M_MMAP_MAX`` 0) and the heap is not trimmed (``M_TRIM_THRESHOLD`` at its maximum). What a
