@@ -146,6 +146,7 @@ def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible(
     ("bench_cpu_2026-12-01_i.json", ("targets",)),
     ("bench_cpu_2026-12-02_amd.json", None),
     ("bench_cpu_2026-12-02_amd_kept.json", None),
+    ("bench_cpu_2026-12-02_amd_kept_vs_kaisa_kept.json", ("targets",)),
     ("bench_cpu_bert_rounds20_2026-12-02_amd.json", ("results", "bounds", "targets")),
     ("bench_cpu_bert_rounds20_2026-12-02_amd_transposed.json", ("results", "bounds", "targets")),
     ("bench_cpu_resnet18-32_2026-12-02_amd_transposed.json", ("results", "bounds", "targets")),
