@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from core.config import (
+    PRECONDITION_DTYPES,
     ConfigError,
     check_choice,
     check_hyper,
@@ -49,7 +50,7 @@ from core.config import (
     check_schedulable,
 )
 from core.hyper import Schedulable
-from core.inverse import extremes
+from core.inverse import extremes, inverse_product
 from core.layer_base import (
     HALF_OVERFLOW_FIX,
     cloned,
@@ -65,6 +66,10 @@ from core.timing import traced
 
 UPDATE_RULES = ("exact", "paper", "official")
 INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+#: Entries of an inverse kept in another dtype that are brought to the arithmetic dtype at a
+#: time (4 MiB of float32): small enough to stay in cache between the cast and the update,
+#: large enough that per-block dispatch stays small against it.
+CAST_BLOCK_ENTRIES = 2**20
 
 
 @traced("max_abs")
@@ -122,7 +127,7 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
         weight, rest = gamma * blend, gamma * (1.0 - blend) + 1.0 - gamma
     else:  # M = blend·L⁻¹ + (1 − blend)·I, u = M v
         weight, rest = blend, 1.0 - blend
-    u = inverse @ v
+    u = matvec(inverse, v)
     if weight != 1.0:
         u.mul_(weight)
     if rest:
@@ -144,17 +149,54 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
     return RankOneUpdate(scale, shift, coeff, u, _peak(low, high), denominator > 0)
 
 
+def row_blocks(matrix: Tensor) -> list[slice]:
+    """Row ranges of ``matrix`` of about :data:`CAST_BLOCK_ENTRIES` entries each."""
+    rows = max(1, CAST_BLOCK_ENTRIES // max(1, matrix.shape[1]))
+    return [slice(start, start + rows) for start in range(0, matrix.shape[0], rows)]
+
+
+def matvec(matrix: Tensor, v: Tensor) -> Tensor:
+    """``M v`` in ``v``'s dtype. A matrix kept in another dtype is cast a block of rows at a
+    time, so no full-size copy of it is made and each block is still in cache when read."""
+    if matrix.dtype == v.dtype:
+        return matrix @ v
+    u = v.new_empty(matrix.shape[0])
+    for rows in row_blocks(matrix):
+        torch.mv(matrix[rows].to(v.dtype), v, out=u[rows])
+    return u
+
+
 @traced("rank1_update")
 def apply_update(inverse: Tensor, terms: RankOneUpdate, *, in_place: bool = False) -> Tensor:
     """``scale·L⁻¹ + coeff·u uᵀ + shift·I``: one ``addr`` pass over the matrix and a diagonal
-    update. ``in_place`` overwrites ``inverse`` (the same values, bit for bit, without a fresh
-    matrix to allocate and fault in)."""
+    update, in ``u``'s (the arithmetic) dtype, the result in ``inverse``'s. ``in_place``
+    overwrites ``inverse`` (the same values, bit for bit, without a fresh matrix to allocate
+    and fault in). An inverse kept in another dtype is updated a block of rows at a time
+    through one cached buffer, so the update streams it once in its own width."""
+    if inverse.dtype != terms.u.dtype:
+        return _apply_update_by_blocks(inverse, terms, in_place=in_place)
     if in_place:
         new = inverse.addr_(terms.u, terms.u, beta=terms.scale, alpha=terms.coeff)
     else:
         new = torch.addr(inverse, terms.u, terms.u, beta=terms.scale, alpha=terms.coeff)
     if terms.shift:
         new.diagonal().add_(terms.shift)
+    return new
+
+
+def _apply_update_by_blocks(inverse: Tensor, terms: RankOneUpdate, *, in_place: bool
+                            ) -> Tensor:
+    """:func:`apply_update` of an inverse kept in another dtype than ``u``."""
+    new = inverse if in_place else torch.empty_like(inverse)
+    blocks = row_blocks(inverse)
+    buffer = terms.u.new_empty(blocks[0].stop - blocks[0].start, inverse.shape[1])
+    for rows in blocks:
+        block = buffer[:len(range(*rows.indices(inverse.shape[0])))]
+        block.copy_(inverse[rows]).addr_(terms.u[rows], terms.u, beta=terms.scale,
+                                         alpha=terms.coeff)
+        if terms.shift:  # the block's entries on the matrix's diagonal
+            block.diagonal(offset=rows.start).add_(terms.shift)
+        new[rows].copy_(block)
     return new
 
 
@@ -237,8 +279,13 @@ class MKORConfig(Rank1Config):
             official code's ``1 − stabilization_factor``.
         rescale: Rescale each layer's ``P`` to the norm of its gradient (the paper always does).
         inverse_dtype: Storage dtype of the inverse factors; None keeps them in ``dtype``.
-            ``"float16"`` halves their memory, as in the paper; updates and preconditioning
-            upcast to ``dtype``.
+            ``"float16"`` halves their memory, as in the paper; updates upcast to ``dtype``.
+        precondition_dtype: dtype of the preconditioning products ``L⁻¹ ∇W̄ R⁻¹`` (each
+            operand cast to it, the result cast back to ``dtype``); None runs them in
+            ``dtype``. ``"bfloat16"`` runs them at the bf16 GEMM rate, as K-FAC's option of
+            that name does, with a relative error of about 2⁻⁸ in ``P``; with
+            ``inverse_dtype="bfloat16"`` too the stored inverses are used as they are, with
+            no cast per step. A ``P`` that is not finite in it is computed again in float64.
     """
 
     inv_update_steps: Schedulable[int] = 10
@@ -248,6 +295,7 @@ class MKORConfig(Rank1Config):
     zeta: float = 0.9
     rescale: bool = True
     inverse_dtype: str | None = None
+    precondition_dtype: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -260,6 +308,8 @@ class MKORConfig(Rank1Config):
             raise ConfigError("rescale", self.rescale, "True or False")
         if self.inverse_dtype is not None:
             check_choice("inverse_dtype", self.inverse_dtype, INVERSE_DTYPES)
+        if self.precondition_dtype is not None:
+            check_choice("precondition_dtype", self.precondition_dtype, PRECONDITION_DTYPES)
         if (self.update_rule == "exact" and math.isfinite(self.epsilon)
                 and not callable(self.stat_decay) and self.zeta >= self.stat_decay):
             warnings.warn(f"zeta={self.zeta} >= stat_decay={self.stat_decay}: the stabiliser "
@@ -317,25 +367,23 @@ class MKORLayer(Rank1Layer):
                  ) -> tuple[Tensor, float]:
         """The next inverse of one side and its ``max |·|``.
 
-        Passes over the matrix: the matrix-vector product and the ``addr`` update. The
-        result's ``max |·|`` is the next update's stabiliser trigger (cached, so the
-        stabiliser does not read the matrix again). When the result provably cannot overflow
-        in the arithmetic or the storage dtype (:func:`cannot_overflow`) it is finite, and the
-        matrix is updated in place if those dtypes agree; if the update also keeps the
-        inverse positive definite (:attr:`RankOneUpdate.definite`), its diagonal gives that
-        maximum. Otherwise the update goes to a new matrix, the old one stays for the failure
-        path, and a third pass takes ``max |·|`` of the result, which also checks that it is
+        Passes over the matrix, in the dtype it is kept in: the matrix-vector product and the
+        ``addr`` update. The result's ``max |·|`` is the next update's stabiliser trigger
+        (cached, so the stabiliser does not read the matrix again). When the result provably
+        cannot overflow in the arithmetic or the storage dtype (:func:`cannot_overflow`) it is
+        finite, and the matrix is updated in place; if the update also keeps the inverse
+        positive definite (:attr:`RankOneUpdate.definite`), its diagonal gives that maximum.
+        Otherwise the update goes to a new matrix, the old one stays for the failure path, and
+        a third pass takes ``max |·|`` of the result, which also checks that it is
         finite.
         """
         if peak is None:  # first update, or after load_state_dict
             peak = max_abs(inverse)
         fired = peak > epsilon  # the stabiliser: max |L⁻¹| > ε
         self.stabilisations += int(fired)
-        work = inverse.to(self.dtype)  # the stored inverse itself when the dtypes agree
-        terms = update_terms(work, v, gamma, rule, blend=zeta if fired else 1.0)
+        terms = update_terms(inverse, v, gamma, rule, blend=zeta if fired else 1.0)
         safe = cannot_overflow(terms, peak, self._range_dtype)
-        new = apply_update(work, terms, in_place=work is not inverse or safe
-                           ).to(self.storage_dtype)
+        new = apply_update(inverse, terms, in_place=safe)
         # Every rule keeps the inverse symmetric positive definite (it starts at I), whose
         # largest entry in magnitude lies on its diagonal (|m_ij| ≤ √(m_ii m_jj)); so where
         # the result is certainly finite and stays definite, its diagonal gives max |·|.
@@ -348,10 +396,12 @@ class MKORLayer(Rank1Layer):
                       stacklevel=5)
         return inverse, peak
 
-    def precondition(self, grad: Tensor) -> Tensor:
+    def precondition(self, grad: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """``L⁻¹ ∇W̄ R⁻¹`` in ``grad``'s dtype (the arithmetic dtype, or float64 for
-        :meth:`rescaled_in_float64`)."""
-        return self.g_inv.to(grad.dtype) @ grad @ self.a_inv.to(grad.dtype)
+        :meth:`rescaled_in_float64`), its products in ``dtype`` (default: ``grad``'s)."""
+        dtype = dtype or grad.dtype
+        p = inverse_product(grad, self.g_inv.to(dtype), self.a_inv.to(dtype))
+        return p.to(grad.dtype)
 
     def rescaled_in_float64(self, grad: Tensor) -> Tensor | None:
         """``P`` rescaled to ``‖∇W̄‖``, computed in float64 and returned in the arithmetic
@@ -430,6 +480,12 @@ class MKORPreconditioner(Rank1Preconditioner):
         return MKORLayer(name, helper, dtype=self.dtype, storage_dtype=getattr(torch, storage),
                          grad_multiplier=self._grad_multiplier)
 
+    @property
+    def _product_dtype(self) -> torch.dtype:
+        """dtype of the preconditioning products: ``precondition_dtype``, else the arithmetic
+        one."""
+        return getattr(torch, self.config.precondition_dtype or self.config.dtype)
+
     def _stat_decay(self) -> float:
         return self._hyper("stat_decay")
 
@@ -455,7 +511,7 @@ class MKORPreconditioner(Rank1Preconditioner):
         written, scales, reads = [], [], []
         for layer, (grad,) in unaliased([(layer, (grad,)) for layer, grad in grads]):
             grad = grad.to(self.dtype)
-            p = layer.precondition(grad)
+            p = layer.precondition(grad, self._product_dtype)
             scale = None
             if rescale:
                 scale, g_square = gradient_norm_scale(p, grad)

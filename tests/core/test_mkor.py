@@ -17,8 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from core import ConfigError, MKORConfig, MKORPreconditioner
+from core import mkor as mkor_module
+from core.inverse import inverse_product
 from core.layer_base import squared_norm
-from core.mkor import gradient_norm_scale, stabiliser_fires, trusted_scales, update_inverse
+from core.mkor import (
+    apply_update,
+    gradient_norm_scale,
+    stabiliser_fires,
+    trusted_scales,
+    update_inverse,
+    update_terms,
+)
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -253,6 +262,64 @@ def test_half_precision_inverse_storage() -> None:
     torch.testing.assert_close(results["float16"][0], results[None][0], rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16, torch.float64])
+def test_an_inverse_kept_in_another_dtype_is_updated_by_blocks_as_by_one_whole_cast(
+        storage: torch.dtype, in_place: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An inverse kept in another dtype than the fp32 arithmetic is read and updated a block
+    of rows at a time (here 3 rows of 10: four blocks, the last of one row, with the shift on
+    each block's part of the diagonal), bit for bit what casting the whole matrix, updating
+    it and casting it back gives; out of place, the kept matrix is untouched."""
+    monkeypatch.setattr(mkor_module, "CAST_BLOCK_ENTRIES", 30)
+    gen = torch.Generator().manual_seed(5)
+    root = torch.randn(10, 10, generator=gen)
+    kept = (root @ root.T / 10 + torch.eye(10)).inverse().to(storage)
+    before = kept.clone()
+    v = torch.randn(10, generator=gen)
+    terms = update_terms(kept, v, 0.9, "exact", blend=0.8)  # ζ < 1: a diagonal shift
+    assert terms.shift != 0
+    whole = before.float()
+    torch.testing.assert_close(terms.u, (whole @ v).mul_(0.8).add_(v, alpha=0.2), rtol=0, atol=0)
+    expected = torch.addr(whole, terms.u, terms.u, beta=terms.scale, alpha=terms.coeff)
+    expected.diagonal().add_(terms.shift)
+    new = apply_update(kept, terms, in_place=in_place)
+    assert new.dtype == storage and (new is kept) == in_place
+    assert torch.equal(new, expected.to(storage))
+    if not in_place:
+        assert torch.equal(kept, before)
+
+
+@pytest.mark.parametrize("storage", [None, "bfloat16"])
+def test_bf16_products_apply_the_inverses_in_bf16_close_to_the_exact_product(
+        storage: str | None) -> None:
+    """``precondition_dtype="bfloat16"`` writes ``L⁻¹ ∇W̄ R⁻¹`` of bf16 operands (the stored
+    inverses as they are when kept in bf16; a cast of fp32 ones otherwise), in the gradient's
+    fp32, within bf16's rounding of the float64 product. The wider input side goes first as
+    a transposed product, which applies ``R⁻¹ᵀ``: the updates keep the inverses symmetric to
+    within fp32 rounding, far below bf16's."""
+    torch.manual_seed(21)
+    model = nn.Linear(24, 6)  # a_dim 25 > g_dim 6: the transposed orientation
+    mkor = MKORPreconditioner(model, inv_update_steps=1, inverse_dtype=storage,
+                              precondition_dtype="bfloat16", rescale=False)
+    layer = mkor.layers[0]
+    for _ in range(4):  # the inverses are updated on each step, then applied
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(16, 24)), torch.randn(16, 6)).backward()
+        raw = layer.helper.grad_matrix().clone()
+        mkor.step()
+    for inverse in (layer.a_inv, layer.g_inv):
+        wide = inverse.double()
+        assert (wide - wide.T).abs().max() <= 1e-6 * wide.abs().max()
+    g_inv, a_inv = layer.g_inv.to(torch.bfloat16), layer.a_inv.to(torch.bfloat16)
+    written = layer.helper.grad_matrix()
+    assert written.dtype == torch.float32
+    torch.testing.assert_close(written, inverse_product(raw, g_inv, a_inv).float(),
+                               rtol=0, atol=0)
+    exact = layer.g_inv.double() @ raw.double() @ layer.a_inv.double()
+    error = (written.double() - exact).norm() / exact.norm()
+    assert 1e-6 < error < 2e-2  # rounded to bf16, and no more than that
+
+
 def test_an_update_out_of_range_for_the_storage_dtype_is_skipped_and_counted() -> None:
     torch.manual_seed(13)
     model = nn.Linear(3, 2)
@@ -400,6 +467,7 @@ def test_hf_bert_decoder_is_skipped_by_default_and_the_rest_steps() -> None:
     ({"epsilon": 0.0}, "epsilon"),
     ({"zeta": 1.5}, "zeta"),
     ({"inverse_dtype": "int8"}, "inverse_dtype"),
+    ({"precondition_dtype": "float16"}, "precondition_dtype"),
     ({"comm_dtype": "float8"}, "comm_dtype"),
     ({"vocab_size_threshold": 0}, "vocab_size_threshold"),
     ({"damping": 0.1}, "damping"),
