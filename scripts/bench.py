@@ -562,7 +562,8 @@ class Method:
 KFAC_SCHEDULE = ("factor_update_steps", "inv_update_steps")
 DP_KFAC = {"inverse_method": "inverse", "strategy": "dp-kfac", "factor_scaling": "dpkfac",
            "damping_split": "pi"}
-#: Inverses kept and applied in bf16 (KAISA's ``inv_dtype``), decomposed in fp32.
+#: Inverses kept and applied in bf16 (KAISA's ``inv_dtype``), decomposed in fp32 (K-FAC; MKOR
+#: also needs ``inverse_dtype`` to keep them in bf16, and updates them in fp32).
 BF16_STATE = {"precondition_dtype": "bfloat16"}
 METHODS = (
     Method("kfac-eigen", "kfac", {"inverse_method": "eigen"}, KFAC_SCHEDULE, "kfac"),
@@ -573,6 +574,8 @@ METHODS = (
            KFAC_SCHEDULE, "kfac"),
     Method("dp-kfac-bf16", "kfac", DP_KFAC | BF16_STATE, KFAC_SCHEDULE, "kfac"),
     Method("mkor", "mkor", {}, ("inv_update_steps",), "mkor"),
+    Method("mkor-bf16", "mkor", {"inverse_dtype": "bfloat16", **BF16_STATE},
+           ("inv_update_steps",), "mkor"),
     Method("eva", "eva", {}, ("factor_update_steps",), "eva"),
 )
 
@@ -936,7 +939,7 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     rate of all the bytes the stage streams (in the caches only if they all fit), its further
     passes at the rate of the layer's own bytes (in cache since the first). The rank-1
     statistics read each layer's input and output gradient once (the row means need no
-    patches), MKOR's rank-1 updates read and write the inverses, Eva's closed form reads the
+    patches), MKOR's rank-1 updates read and write the inverses as kept, Eva's closed form reads the
     gradient and writes ``.grad`` with the KL clip's scale folded in (so its scale stage needs
     nothing), and K-FAC's and MKOR's scale reads ``P`` and the gradient and writes ``.grad``.
     Capture (building factor rows) has no bound of its own: a lower bound need not materialise
@@ -952,14 +955,18 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
     def gemm_kind(state_word: int) -> str:
         return "gemm_bf16" if state_word == 2 else "gemm"
 
+    def states(layer: LayerShape) -> int:  # bytes of the two states as kept
+        return layer.a_dim**2 * layer.a_word + layer.g_dim**2 * layer.g_word
+
     def operands(layer: LayerShape) -> int:  # the gradient and the two states
-        a, g = layer.a_dim, layer.g_dim
-        return g * a * word + a * a * layer.a_word + g * g * layer.g_word
+        return layer.g_dim * layer.a_dim * word + states(layer)
 
     # What each stage streams over all layers: the rate of its first pass over each layer
     stream = {
         "factors": sum(x.captured for x in layers) * word,
-        "inversion": sum(x.a_dim**2 + x.g_dim**2 for x in layers) * word,
+        # K-FAC decomposes its fp32 factors, MKOR updates its inverses as kept
+        "inversion": sum(states(x) if method.kind == "mkor" else (x.a_dim**2 + x.g_dim**2) * word
+                         for x in layers),
         "precondition": sum(x.g_dim * x.a_dim * word if method.kind == "eva" else operands(x)
                             for x in layers),
         "scale": sum(x.g_dim * x.a_dim for x in layers) * word,
@@ -994,7 +1001,7 @@ def stage_bounds(method: Method, layers: Sequence[LayerShape], rates: Rates
         else:  # row means: the layer's input and output gradient, each read once
             update["factors"] += at_least_read(0.0, layer.captured, "factors")
             if method.kind == "mkor":  # matvec, then the rank-1 update (read and write)
-                update["inversion"] += rates.passes(squares * word, 3,
+                update["inversion"] += rates.passes(states(layer), 3,
                                                     stream=stream["inversion"])
                 # its per-layer rescale runs (and is timed) in its precondition stage
                 step_work = {"precondition": gemm + scale, "scale": 0.0}

@@ -147,6 +147,7 @@ def test_peer_targets_compare_overheads_when_the_literal_speed_up_is_infeasible(
     ("bench_cpu_2026-12-02_amd.json", None),
     ("bench_cpu_2026-12-02_amd_kept.json", None),
     ("bench_cpu_2026-12-02_amd_kept_vs_kaisa_kept.json", ("targets",)),
+    ("bench_cpu_mkor_bf16_2026-12-03_amd.json", ("results", "bounds", "targets")),
     ("bench_cpu_bert_rounds20_2026-12-02_amd.json", ("results", "bounds", "targets")),
     ("bench_cpu_bert_rounds20_2026-12-02_amd_transposed.json", ("results", "bounds", "targets")),
     ("bench_cpu_resnet18-32_2026-12-02_amd_transposed.json", ("results", "bounds", "targets")),
@@ -218,6 +219,24 @@ def test_each_factor_product_counts_at_the_rate_of_the_dtype_its_state_is_kept_i
     assert bound == pytest.approx(2 * g * g * a / 4e9 + 2 * g * a * a / 1e9)
     assert bench.stage_bounds(method, [rounded], rates)["plain"]["precondition"] == \
         pytest.approx(2 * g * a * (g + a) / 4e9)
+
+
+def test_mkor_in_bf16_streams_its_inverses_as_kept_and_multiplies_at_the_bf16_rate() -> None:
+    """``mkor-bf16``: the rank-1 updates read the inverses twice and write them once in bf16
+    (half the fp32 bound), and the products count at the bf16 GEMM rate; the rescale's three
+    passes over the fp32 gradient are the same."""
+    rates = bench.Rates({64: 1e9}, {64: 1.0}, {64: 1.0}, {64: 1.0}, {64: 1.0},
+                        bandwidth=1e15, gemm_bf16={64: 4e9}, copy={2**18: 8e10})
+    fp32, bf16 = (next(m for m in bench.METHODS if m.name == n) for n in ("mkor", "mkor-bf16"))
+    g, a = 64, 129
+    grad = g * a * 4
+    for method, word, rate in ((fp32, 4, 1e9), (bf16, 2, 4e9)):
+        assert method.state_word == word
+        layer = bench.LayerShape(a, g, rows=10, captured=10, a_word=word, g_word=word)
+        bounds = bench.stage_bounds(method, [layer], rates)
+        assert bounds["update"]["inversion"] == pytest.approx(3 * (a * a + g * g) * word / 8e10)
+        assert bounds["plain"]["precondition"] == pytest.approx(2 * g * a * (g + a) / rate
+                                                                + 3 * grad / 8e10)
 
 
 def test_memory_bound_work_counts_its_passes_at_the_copy_rate_of_its_size() -> None:

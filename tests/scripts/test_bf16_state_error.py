@@ -37,3 +37,14 @@ def test_batches_differ_by_seed_and_default_to_the_fixed_one() -> None:
     cpu = bench.torch.device("cpu")
     assert bench.torch.equal(make(cpu)["x"], make(cpu, seed=0)["x"])
     assert not bench.torch.equal(make(cpu)["x"], make(cpu, seed=1)["x"])
+
+
+def test_mkor_inverses_are_compared_rounded_to_bf16() -> None:
+    """``--method mkor``: each layer's product with MKOR's updated inverse factors against
+    their bf16 rounding; nothing is kept in fp32, and only rounding separates the two."""
+    errors = script.main(["--workload", "tiny-bert", "--steps", "3", "--method", "mkor"])
+    assert errors and [e.relative_error for e in errors] == sorted(
+        e.relative_error for e in errors)
+    for e in errors:
+        assert 1e-5 < e.relative_error < 0.1 and e.cosine > 0.99, e
+        assert e.kept == "-" and e.guarded_error == e.relative_error
