@@ -66,7 +66,7 @@ from core.timing import traced
 
 UPDATE_RULES = ("exact", "paper", "official")
 INVERSE_DTYPES = ("float16", "bfloat16", "float32", "float64")
-#: Entries of an inverse kept in another dtype that are brought to the arithmetic dtype at a
+#: Entries of an inverse kept in another dtype that a CPU brings to the arithmetic dtype at a
 #: time (4 MiB of float32): small enough to stay in cache between the cast and the update,
 #: large enough that per-block dispatch stays small against it.
 CAST_BLOCK_ENTRIES = 2**20
@@ -150,9 +150,14 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
 
 
 def row_blocks(matrix: Tensor) -> list[slice]:
-    """Row ranges of ``matrix`` of about :data:`CAST_BLOCK_ENTRIES` entries each."""
+    """Row ranges of ``matrix`` of about :data:`CAST_BLOCK_ENTRIES` entries each on the CPU
+    (the last may be shorter); elsewhere all its rows at once: a GPU's caching allocator
+    reuses the cast copy without faulting it in, and each block would cost kernel launches."""
+    n = matrix.shape[0]
     rows = max(1, CAST_BLOCK_ENTRIES // max(1, matrix.shape[1]))
-    return [slice(start, start + rows) for start in range(0, matrix.shape[0], rows)]
+    if matrix.device.type != "cpu" or rows >= n:
+        return [slice(0, n)]
+    return [slice(start, min(start + rows, n)) for start in range(0, n, rows)]
 
 
 def matvec(matrix: Tensor, v: Tensor) -> Tensor:
@@ -191,7 +196,7 @@ def _apply_update_by_blocks(inverse: Tensor, terms: RankOneUpdate, *, in_place: 
     blocks = row_blocks(inverse)
     buffer = terms.u.new_empty(blocks[0].stop - blocks[0].start, inverse.shape[1])
     for rows in blocks:
-        block = buffer[:len(range(*rows.indices(inverse.shape[0])))]
+        block = buffer[:rows.stop - rows.start]
         block.copy_(inverse[rows]).addr_(terms.u[rows], terms.u, beta=terms.scale,
                                          alpha=terms.coeff)
         if terms.shift:  # the block's entries on the matrix's diagonal

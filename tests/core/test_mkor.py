@@ -289,6 +289,17 @@ def test_an_inverse_kept_in_another_dtype_is_updated_by_blocks_as_by_one_whole_c
         assert torch.equal(kept, before)
 
 
+def test_inverses_are_cast_by_blocks_of_rows_on_the_cpu_only() -> None:
+    """A 3,000-square inverse: blocks of 349 rows (2²⁰ entries) on the CPU, the last one of
+    the 208 left, so each row is cast once and no buffer is larger than the matrix; one block
+    for a matrix within 2²⁰ entries, and elsewhere (a meta tensor stands in for a GPU's)."""
+    blocks = mkor_module.row_blocks(torch.empty(3000, 3000, dtype=torch.bfloat16))
+    assert blocks == [slice(s, min(s + 349, 3000)) for s in range(0, 3000, 349)]
+    assert blocks[-1] == slice(2792, 3000)
+    assert mkor_module.row_blocks(torch.empty(257, 257)) == [slice(0, 257)]
+    assert mkor_module.row_blocks(torch.empty(3000, 3000, device="meta")) == [slice(0, 3000)]
+
+
 @pytest.mark.parametrize("storage", [None, "bfloat16"])
 def test_bf16_products_apply_the_inverses_in_bf16_close_to_the_exact_product(
         storage: str | None) -> None:
