@@ -177,7 +177,8 @@ def apply_update(inverse: Tensor, terms: RankOneUpdate, *, in_place: bool = Fals
     update, in ``u``'s (the arithmetic) dtype, the result in ``inverse``'s. ``in_place``
     overwrites ``inverse`` (the same values, bit for bit, without a fresh matrix to allocate
     and fault in). An inverse kept in another dtype is updated a block of rows at a time
-    through one cached buffer, so the update streams it once in its own width."""
+    through one block-sized buffer, which stays in cache, so the update streams it once in its
+    own width."""
     if inverse.dtype != terms.u.dtype:
         return _apply_update_by_blocks(inverse, terms, in_place=in_place)
     if in_place:
