@@ -64,7 +64,8 @@ BASE = TrainConfig(experiment="fmnist", epochs=1)
 """Every cell's settings but damping and intervals: train.py's defaults for one epoch."""
 GRID_CHOICE = (
     "The grid was sized to about 45 minutes of a shared 2-core machine (D5's 2-epoch runs at 4 "
-    "workers took 300–590 s each): 2 workers, one per core (4 oversubscribe it), and one epoch, "
+    "workers took 300–590 s each with the code of 2026-11-30): 2 workers, one per core (4 "
+    "oversubscribe it), and one epoch, "
     "the shortest run that reaches train.py's evaluation and the end of its cosine schedule. "
     "One cell of each scheme, timed first (60 steps, 2 workers, quiet machine), took "
     "0.13–0.15 s per step at interval 1 and 0.05 s at interval 10, so 20 cells × 2 schemes and "

@@ -2,6 +2,7 @@
 
     python -m reproductions.dpkfac.tables            # ~5–10 min on 2 CPU cores
     python -m reproductions.dpkfac.tables --quick    # ResNet-50 at P = 8, tiny timing budget
+    python -m reproductions.dpkfac.tables --sections D5 D6   # from the results files alone
 
 For ResNet-50, ResNet-152, DenseNet-201 and Inception-v4 at their per-GPU batches and ``P``
 workers, every scheme of :data:`~reproductions.dpkfac.workloads.SCHEMES` is simulated with
@@ -18,6 +19,8 @@ workers, every scheme of :data:`~reproductions.dpkfac.workloads.SCHEMES` is simu
 * D6, damping × update interval, read from the grid ``reproductions.dpkfac.sensitivity`` ran.
 
 Writes ``results/tables.json`` (schema ``kfac-repro/tables/v1``) and prints Markdown.
+``--sections`` rebuilds some tables and keeps the file's others: D5 and D6 after new training
+runs without timing the kernels of D3 and D4 again on another machine.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ from reproductions.common.kernels import (
 )
 from reproductions.common.results import ResultsError, load_results
 from reproductions.common.shapes import LayerShape, Workload, layer_shapes
-from reproductions.common.tables import Table, tables_destination, write_tables
+from reproductions.common.tables import Table, tables_destination, update_tables, write_tables
 from reproductions.common.timemodel import STAGES, AlphaBeta, stage_seconds
 from reproductions.dpkfac.sensitivity import sensitivity_table
 from reproductions.dpkfac.validation import Validation, validate
@@ -69,6 +72,10 @@ from reproductions.dpkfac.workloads import (
 )
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: Table ids of the simulation and kernel timings, in the file's order.
+SIMULATED = ("D1", "D2", "D3", "D1-D3", "D4")
+#: Every table ``--sections`` can name: the simulated ones, the gloo check, the training runs.
+SECTIONS = (*SIMULATED, "D4v", "D5", "D6")
 MB = 1e6
 GFLOP = 1e9
 
@@ -460,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gloo world sizes for D4v, each at least 2 (default 2 4; none in "
                              "--quick)")
     parser.add_argument("--no-validate", action="store_true", help="skip D4v")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="tables to rebuild; the output file's others are kept (D1-D3 "
+                        "and D4 simulate and time the schemes, D4v runs gloo, D5 and D6 read "
+                        "the results files)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
                         help="where the training results files are read from (D5)")
     parser.add_argument("--output", type=Path, default=None,
@@ -474,7 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with exit_on_user_error(parser):
         _build(args, tables_destination(args, parser, output="output",
-                                        committed=RESULTS_DIR / "tables.json", paper="dpkfac"))
+                                        committed=RESULTS_DIR / "tables.json", paper="dpkfac",
+                                        selectors=("sections",)))
 
 
 def _network(args: argparse.Namespace) -> AlphaBeta:
@@ -488,13 +500,39 @@ def _network(args: argparse.Namespace) -> AlphaBeta:
 
 
 def _build(args: argparse.Namespace, output: Path) -> None:
-    """The body of :func:`main`: simulate, time and validate, then write ``output``."""
+    """The body of :func:`main`: simulate, time and validate what the chosen sections need,
+    then write them into ``output`` (all of them: the file is rewritten; some: the file's
+    other tables are kept)."""
     torch.set_num_threads(1)  # one worker's view; and eigh slows badly when oversubscribed
     start = time.perf_counter()
+    sections = set(args.sections)
     world_size = args.world_size if args.world_size is not None else 8 if args.quick else 64
-    keys = args.models or (["resnet50"] if args.quick else [w.key for w in WORKLOADS])
-    validate_sizes = ([] if args.no_validate else args.validate if args.validate is not None
+    tables: list[Table] = []
+    if sections & set(SIMULATED):
+        tables += [t for t in _simulated_tables(args, world_size) if t.id in sections]
+    validate_sizes = ([] if args.no_validate or "D4v" not in sections
+                      else args.validate if args.validate is not None
                       else [] if args.quick else [2, 4])
+    if validate_sizes:
+        print(f"gloo validation at P = {validate_sizes} …", flush=True)
+        tables.append(validation_table(validate(validate_sizes, VALIDATION_SCHEMES)))
+    if "D5" in sections:
+        tables.append(convergence_table(args.results_dir))
+    if "D6" in sections:
+        tables.append(sensitivity_table(args.results_dir / "sensitivity"))
+    if sections == set(SECTIONS):
+        write_tables(output, "dpkfac", tables)
+    else:
+        update_tables(output, "dpkfac", tables)
+    for table in tables:
+        print()
+        print(table.markdown())
+    print(f"\nWrote {output} in {time.perf_counter() - start:.0f} s.")
+
+
+def _simulated_tables(args: argparse.Namespace, world_size: int) -> list[Table]:
+    """D1, D2, D3, their ratios and D4: every scheme simulated on every model, kernels timed."""
+    keys = args.models or (["resnet50"] if args.quick else [w.key for w in WORKLOADS])
     budget = QUICK_BUDGET if args.quick else Budget()
     kernels = KernelTimes(args.inverse_method, budget, resolve_device(args.device))
     network = _network(args)
@@ -505,19 +543,10 @@ def _build(args: argparse.Namespace, output: Path) -> None:
               "timing kernels …", flush=True)
         results.append(analyse(work, world_size, args.inverse_method, kernels, network,
                                budget))
-    tables = [communication_table(results, world_size), memory_table(results, world_size),
-              compute_table(results, world_size, args.inverse_method, kernels),
-              ratio_table(results), breakdown_table(results, world_size, network, kernels)]
-    if validate_sizes:
-        print(f"gloo validation at P = {validate_sizes} …", flush=True)
-        tables.append(validation_table(validate(validate_sizes, VALIDATION_SCHEMES)))
-    tables.append(convergence_table(args.results_dir))
-    tables.append(sensitivity_table(args.results_dir / "sensitivity"))
-    write_tables(output, "dpkfac", tables)
-    for table in tables:
-        print()
-        print(table.markdown())
-    print(f"\nWrote {output} in {time.perf_counter() - start:.0f} s.")
+    return [communication_table(results, world_size), memory_table(results, world_size),
+            compute_table(results, world_size, args.inverse_method, kernels),
+            ratio_table(results), breakdown_table(results, world_size, network, kernels)]
+
 
 if __name__ == "__main__":
     main()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from reproductions.common.results import RunRecorder
-from reproductions.common.tables import load_tables, tables_destination
+from reproductions.common.tables import Table, load_tables, tables_destination, write_tables
+from reproductions.dpkfac import tables as dpkfac_tables
 from reproductions.dpkfac.tables import (
     PAPER_CONVERGENCE,
     RESULTS_DIR,
@@ -61,19 +62,48 @@ def test_quick_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert by_id["D5"].rows == []
 
 
-def test_convergence_table_reads_results(tmp_path: Path) -> None:
+def _write_convergence_run(results_dir: Path) -> None:
+    """A finished DP-KFAC run's results file, as ``train.py`` writes it."""
     recorder = RunRecorder(paper="dpkfac", experiment="fashion_mnist", optimizer="dp-kfac",
                            config={}, world_size=4)
     recorder.log_step(0, loss=2.3, time_s=0.1)
     recorder.update(summary={"final_test_accuracy": 0.9, "best_test_accuracy": 0.91,
                              "epochs": 2.0, "steps": 936})
     recorder.finish()
-    recorder.write(tmp_path / "fashion_mnist-dp-kfac.json")
+    recorder.write(results_dir / "fashion_mnist-dp-kfac.json")
+
+
+def test_convergence_table_reads_results(tmp_path: Path) -> None:
+    _write_convergence_run(tmp_path)
     (tmp_path / "fashion_mnist-broken.json").write_text("{")
     table = convergence_table(tmp_path)
     assert table.rows == [["dp-kfac", PAPER_CONVERGENCE, 4, 2.0, 936, 0.9, 0.91, None, None,
                            "finished"]]
     assert "Skipped fashion_mnist-broken.json" in table.notes
+
+
+def test_sections_rebuild_the_tables_they_name_and_keep_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--sections D5`` after new training runs: D5 from the results files, every other table
+    of the file as it was, and no kernel timed nor gloo run (which on another machine would
+    change D3 and D4)."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("timed kernels or ran gloo for a D5-only rebuild")
+
+    monkeypatch.setattr(dpkfac_tables, "KernelTimes", refuse)
+    monkeypatch.setattr(dpkfac_tables, "validate", refuse)
+    monkeypatch.setattr(dpkfac_tables, "RESULTS_DIR", tmp_path)  # the committed results
+    output = tmp_path / "tables.json"
+    kept = Table("D1", "communication", "exact", ["paper", "ours"], [["x", 1.5]], "kept")
+    stale = Table("D5", "convergence", "small", ["paper", "ours"], [["x", 0.1]], "stale")
+    write_tables(output, "dpkfac", [kept, stale])
+    _write_convergence_run(tmp_path)
+    main(["--sections", "D5"])  # a selection, not a variant: into the committed file
+    _, tables = load_tables(output)
+    assert [t.id for t in tables] == ["D1", "D5"]
+    assert tables[0] == kept
+    assert tables[1].rows == convergence_table(tmp_path).rows
+    assert tables[1].rows[0][0] == "dp-kfac"
 
 
 @pytest.mark.distributed
@@ -113,9 +143,12 @@ def test_only_the_paper_scale_defaults_write_the_committed_tables(
 
     def destination(args: list[str]) -> Path:
         return tables_destination(parser.parse_args(args), parser, output="output",
-                                  committed=RESULTS_DIR / "tables.json", paper="dpkfac")
+                                  committed=RESULTS_DIR / "tables.json", paper="dpkfac",
+                                  selectors=("sections",))
 
     assert destination([]) == RESULTS_DIR / "tables.json"
+    assert destination(["--sections", "D5", "D6"]) == RESULTS_DIR / "tables.json"
+    assert destination(["--sections", "D5", *argv]) == Path("runs") / "dpkfac" / "tables.json"
     assert destination(["--output", "x.json", *argv]) == Path("x.json")
     assert destination(argv) == Path("runs") / "dpkfac" / "tables.json"
 
