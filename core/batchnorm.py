@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from core.capture import CaptureHooks
+from core.capture import CaptureHooks, HookSet
 from core.config import (
     check_choice,
     check_hyper,
@@ -277,11 +277,11 @@ class BatchNormPreconditioner:
         ]
         self.communicator = communicator or Communicator.from_torch()
         self._capturing = self._update_due(0)
-        self._hooks = [
+        self._hooks = HookSet(lambda: [
             CaptureHooks(block.module, on_pair=block.capture, enabled=lambda: self._capturing,
                          name=block.name)
             for block in self.blocks
-        ]
+        ])
 
     def _update_due(self, step: int) -> bool:
         return step % resolve_interval("update_steps", self.update_steps, step) == 0
@@ -400,7 +400,9 @@ class BatchNormPreconditioner:
         self._capturing = self._update_due(self.steps)
 
     def remove_hooks(self) -> None:
-        """Detach from the model."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Detach from the model (the preconditioner stops capturing)."""
+        self._hooks.remove()
+
+    def add_hooks(self) -> None:
+        """Attach to the model again after :meth:`remove_hooks` (nothing if attached)."""
+        self._hooks.add()

@@ -110,3 +110,29 @@ class CaptureHooks:
     def remove(self) -> None:
         """Detach the hooks from the module."""
         self._handle.remove()
+
+
+class HookSet:
+    """The capture hooks of a preconditioner's layers, which can be detached and attached
+    again: MKOR-H detaches its second-order preconditioner while it runs first order, and a
+    user may detach one to run the model untouched.
+
+    Args:
+        attach: Registers the hooks on every layer and returns them; called now, and again by
+            :meth:`add` after :meth:`remove`.
+    """
+
+    def __init__(self, attach: Callable[[], list[CaptureHooks]]) -> None:
+        self._attach = attach
+        self._hooks = attach()
+
+    def remove(self) -> None:
+        """Detach every hook from its module."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def add(self) -> None:
+        """Attach the hooks again (nothing if they are attached)."""
+        if not self._hooks:
+            self._hooks = self._attach()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from core.capture import CaptureHooks
+from core.capture import CaptureHooks, HookSet
 from core.config import (
     ConfigError,
     KFACConfig,
@@ -176,7 +176,7 @@ class KFACPreconditioner:
         self._handed_over: set[str] = set()
         self._reported_uncaptured: set[str] = set()
         self._handover_order = self.layers[::-1]
-        self._hooks = [self._register(layer) for layer in self.layers]
+        self._hooks = HookSet(lambda: [self._register(layer) for layer in self.layers])
 
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: KFACLayer) -> CaptureHooks:
@@ -615,14 +615,11 @@ class KFACPreconditioner:
 
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner stops capturing)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._hooks.remove()
 
     def add_hooks(self) -> None:
         """Attach to the model again after :meth:`remove_hooks` (nothing if attached)."""
-        if not self._hooks:
-            self._hooks = [self._register(layer) for layer in self.layers]
+        self._hooks.add()
 
     def __repr__(self) -> str:
         return (f"KFACPreconditioner({len(self.layers)} layers, {self.config}, "

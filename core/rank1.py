@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from core.capture import CaptureHooks
+from core.capture import CaptureHooks, HookSet
 from core.config import (
     check_choice,
     check_number,
@@ -245,7 +245,7 @@ class Rank1Preconditioner:
         params = list(model.parameters())
         self.timer = StageTimer(device_events=bool(params) and params[0].is_cuda)
         self._capturing = self._update_due(0)
-        self._hooks = [self._register(layer) for layer in self.layers]
+        self._hooks = HookSet(lambda: [self._register(layer) for layer in self.layers])
 
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: Rank1Layer) -> CaptureHooks:
@@ -440,14 +440,11 @@ class Rank1Preconditioner:
 
     def remove_hooks(self) -> None:
         """Detach from the model (the preconditioner stops capturing)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._hooks.remove()
 
     def add_hooks(self) -> None:
         """Attach to the model again after :meth:`remove_hooks` (nothing if attached)."""
-        if not self._hooks:
-            self._hooks = [self._register(layer) for layer in self.layers]
+        self._hooks.add()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self.layers)} layers, {self.config})"

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 from core import EvaPreconditioner, KFACPreconditioner, MKORPreconditioner
+from core.batchnorm import BatchNormPreconditioner
 
 PRECONDITIONERS = [KFACPreconditioner, MKORPreconditioner, EvaPreconditioner]
 
@@ -121,3 +122,25 @@ def test_a_compiled_model_is_preconditioned_as_the_eager_one(make: type) -> None
         updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch._dynamo.reset()
     assert torch.allclose(updated[0], updated[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [*PRECONDITIONERS, BatchNormPreconditioner])
+def test_hooks_detach_and_attach_again_once(make: type) -> None:
+    """``remove_hooks`` leaves the model as if no preconditioner were there (a forward pass
+    runs no hook of it), ``add_hooks`` attaches one hook per layer again, and a second
+    ``add_hooks`` adds none: a doubled hook would capture every statistic twice."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))
+    precond = make(model)
+
+    def hook_counts() -> list[int]:
+        return [len(module._forward_hooks) for module in model]
+
+    attached = [0, 1, 0, 0] if make is BatchNormPreconditioner else [1, 0, 0, 1]
+    assert hook_counts() == attached
+    precond.remove_hooks()
+    assert hook_counts() == [0, 0, 0, 0]
+    precond.add_hooks()
+    precond.add_hooks()
+    assert hook_counts() == attached
+    F.mse_loss(model(torch.randn(6, 5)), torch.randn(6, 3)).backward()
+    precond.step()
