@@ -13,6 +13,7 @@ overflow). ``symmetric`` tensors travel as packed upper triangles when ``pack=Tr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -67,6 +68,14 @@ def _span(parts: Sequence[Tensor]) -> Tensor | None:
     return first.as_strided((offset - first.storage_offset(),), (1,))
 
 
+def _lost_in_cast(source: Tensor, wire: Tensor) -> Tensor:
+    """How many nonzero finite entries of ``source`` became 0 or infinite in ``wire`` (its
+    narrower-range cast), as a 0-d tensor."""
+    flushed = (wire == 0) & (source != 0)
+    overflowed = wire.isinf() & source.isfinite()
+    return (flushed | overflowed).sum()
+
+
 def _store(tensor: Tensor, segment: Tensor, pack: bool) -> None:
     """Write a received (possibly packed) segment into ``tensor``."""
     segment = segment.to(tensor.dtype)
@@ -95,13 +104,19 @@ class _Payload:
     like: Tensor | None = None
     flat: Tensor = field(init=False)
     borrowed: bool = field(init=False, default=False)
+    #: How many nonzero values of this rank's data the float16 cast lost (0-d, not yet read);
+    #: None where nothing was checked (no float16 cast, or receive buffers).
+    lost: Tensor | None = field(init=False, default=None)
 
-    def build(self, dtype: torch.dtype | None, scale: float | None) -> Tensor:
-        """Concatenate (and pre-scale, and cast) the wire form of the tensors.
+    def build(self, dtype: torch.dtype | None, scale: float | None, *, own: bool = True
+              ) -> Tensor:
+        """Concatenate (and pre-scale, and cast) the wire form of the tensors; with ``own``
+        (they hold this rank's data, not receive buffers), a cast to float16 counts the values
+        it loses (:attr:`lost`).
 
         A single unpacked tensor is sent through a view of itself, without a copy, unless it
-        is scaled or cast; so are unpacked tensors that lie back to back in one buffer, in
-        order (receive buffers carved from one allocation).
+        is scaled or cast or its layout needs a copy to flatten; so are unpacked tensors that
+        lie back to back in one buffer, in order (receive buffers carved from one allocation).
         """
         parts = [_wire_view(t, p) for t, p in zip(self.tensors, self.packed, strict=True)]
         if not parts:
@@ -109,7 +124,9 @@ class _Payload:
             flat = self.like.new_empty(0)
         elif len(parts) == 1:
             flat = parts[0] if scale is None else parts[0] / scale
-            self.borrowed = scale is None and not self.packed[0]
+            # a non-contiguous tensor's flat form is a copy, whose result must be written back
+            self.borrowed = (scale is None and not self.packed[0]
+                             and flat.data_ptr() == self.tensors[0].data_ptr())
         elif scale is None and not any(self.packed) and (span := _span(parts)) is not None:
             flat, self.borrowed = span, True
         else:
@@ -118,6 +135,9 @@ class _Payload:
                 flat.div_(scale)
         self.flat = flat if dtype is None else flat.to(dtype)
         self.borrowed = self.borrowed and self.flat.dtype == self.tensors[0].dtype
+        if (own and self.flat.dtype == torch.float16 and flat.dtype != torch.float16
+                and not flat.is_meta):  # a simulation's meta tensors hold no values
+            self.lost = _lost_in_cast(flat, self.flat)
         return self.flat
 
     @property
@@ -221,6 +241,7 @@ class Communicator:
         self.ledger = ledger if ledger is not None else Ledger(rank=transport.rank)
         self.peak_buffer_bytes = 0
         self._live_bytes = 0
+        self._range_reported: set[str] = set()
 
     @classmethod
     def from_torch(cls, **options: Any) -> Communicator:
@@ -277,6 +298,7 @@ class Communicator:
         """Wrap started work, counting its own flat buffers (not views of the caller's tensors)
         towards :attr:`peak_buffer_bytes` until it is waited on, except those of the training
         loop's gradient all-reduce (:data:`UNCOUNTED_STAGES`)."""
+        self._report_range_losses(payloads, stage)
         buffers = [p.flat for p in payloads if not p.borrowed] + list(extra)
         nbytes = 0 if stage in UNCOUNTED_STAGES else sum(
             b.numel() * b.element_size() for b in buffers)
@@ -287,6 +309,26 @@ class Communicator:
             self._live_bytes -= nbytes
 
         return Pending(works, finish, release)
+
+    def _report_range_losses(self, payloads: Sequence[_Payload], stage: str) -> None:
+        """Warn, once per stage, when a float16 wire lost values this rank sent: float16 holds
+        magnitudes from 6e-8 to 65504 only, and Kronecker factors and rank-1 statistics of
+        small gradients lie below that (every entry of ResNet-18's ``G`` factors at batch 16,
+        docs/concepts/distribution.md). Reads the counts from the device (a synchronisation
+        per collective, on float16 wires only)."""
+        counted = [p for p in payloads if p.lost is not None]
+        if not counted or stage in self._range_reported:
+            return
+        lost = int(sum(int(p.lost) for p in counted if p.lost is not None))
+        if lost == 0:
+            return
+        self._range_reported.add(stage)
+        sent = sum(p.flat.numel() for p in counted)
+        warnings.warn(f"{stage}: {lost:,} of the {sent:,} values this rank sent in float16 "
+                      "fell outside its range (6e-8 to 65504) and arrived as 0 or infinity, so "
+                      "the curvature they carry is lost; send bfloat16 instead "
+                      "(comm_dtype='bfloat16': float32's range in the same two bytes). "
+                      "Reported once per stage.", stacklevel=3)
 
     def _record(self, stage: str, op: str, like: Tensor, elements: int, group: Group,
                 traffic_elements: int) -> None:
@@ -384,7 +426,7 @@ class Communicator:
         works: list[Work] = []
         for payload in payloads:
             wire = dtype if dtype is not None and payload.tensors[0].is_floating_point() else None
-            flat = payload.build(wire, None)
+            flat = payload.build(wire, None, own=src == self.rank)
             n = flat.numel()
             self._record(stage, "broadcast", flat, n, members, 0 if src == self.rank else n)
             works += self.transport.broadcast(flat, src, members)
@@ -450,8 +492,9 @@ class Communicator:
         if len(members) == 1 or not any(segments):
             return
         payloads = self._segments(segments, members, False)
-        buffers = [payload.build(dtype, None) for payload in payloads]
         mine = members.index(self.rank)
+        buffers = [payload.build(dtype, None, own=i == mine)
+                   for i, payload in enumerate(payloads)]
         total = sum(b.numel() for b in buffers)
         self._record(stage, "all_gather", buffers[mine], total, members,
                      total - buffers[mine].numel())
