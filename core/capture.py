@@ -7,14 +7,15 @@ times in one forward pass gets one input and one gradient callback per call; the
 accumulate, so such a module is supported (its factors average over the calls). A second
 gradient for the same call (a second backward pass over one forward pass, or
 ``torch.autograd.grad`` before ``backward``) is passed on too, with a warning: the statistics
-take it as another call's, not as part of the one gradient the optimizer applies.
+take it as another call's, not as part of the one gradient the optimizer applies. A call's
+input is delivered when its output's gradient arrives, so a forward pass whose output never
+reaches a backward pass adds nothing to the statistics.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -30,16 +31,22 @@ class CaptureHooks:
 
     Args:
         module: The layer to watch.
-        on_input: Called with the (detached) input of each forward call: its first positional
-            argument, or its ``input`` keyword argument.
+        on_input: Called with the (detached) input of each forward call whose output
+            receives a gradient (its first positional argument, or its ``input`` keyword
+            argument), when that gradient arrives, just before ``on_grad_output``: a call
+            whose output never reaches a backward pass (a loss computed and not
+            backpropagated) adds nothing to the statistics. The input is held by the hook on
+            the call's output until then (autograd keeps it for the weight's gradient
+            anyway).
         on_grad_output: Called with the (detached) gradient of each call's output.
         enabled: Whether to capture the current forward/backward pass.
         on_pair: Instead of ``on_input`` and ``on_grad_output``: called with each call's input
             and its output's gradient together, for statistics that need the two of one call
-            (BatchNorm's normalised input times its gradient). The input is held by the hook on
-            that call's output, so a call whose output gets no gradient holds nothing once the
-            output is freed.
+            (BatchNorm's normalised input times its gradient).
         name: The layer's name in the model, for warnings (default: its type's).
+        on_forward: Called at the forward call itself with the (detached) input of each call
+            whose output requires a gradient: to refuse an input there, where the user's
+            code made it, and to count the calls whose gradients a backward pass will bring.
     """
 
     def __init__(
@@ -50,6 +57,7 @@ class CaptureHooks:
         enabled: Callable[[], bool] = lambda: True,
         on_pair: Callable[[Tensor, Tensor], None] | None = None,
         name: str = "",
+        on_forward: Callable[[Tensor], None] | None = None,
     ) -> None:
         separate = on_input is not None and on_grad_output is not None
         paired = on_pair is not None and on_input is None and on_grad_output is None
@@ -58,6 +66,7 @@ class CaptureHooks:
         self._on_input = on_input
         self._on_grad_output = on_grad_output
         self._on_pair = on_pair
+        self._on_forward = on_forward
         self._enabled = enabled
         self._name = name or type(module).__name__
         self._handle: RemovableHandle = module.register_forward_hook(self._forward_hook,
@@ -77,24 +86,25 @@ class CaptureHooks:
             raise TypeError(f"{type(module).__name__} was called without its input as the first "
                             "positional or the `input` keyword argument; call it with the input "
                             "first, or skip this layer with skip_layers")
-        x = x.detach()
-        deliver: Callable[[Tensor], None]
-        if self._on_pair is not None:
-            deliver = partial(self._on_pair, x)
-        else:
-            assert self._on_input is not None and self._on_grad_output is not None
-            self._on_input(x)
-            deliver = self._on_grad_output
         if not output.requires_grad:
             return
+        x = x.detach()
+        if self._on_forward is not None:
+            self._on_forward(x)
         received = False
 
         def grad_hook(grad: Tensor) -> None:
             nonlocal received
-            if received:
+            first, received = not received, True
+            if not first:
                 self._warn_second_gradient()
-            received = True
-            deliver(grad.detach())
+            if self._on_pair is not None:
+                self._on_pair(x, grad.detach())
+                return
+            assert self._on_input is not None and self._on_grad_output is not None
+            if first:
+                self._on_input(x)
+            self._on_grad_output(grad.detach())
 
         output.register_hook(grad_hook)
 

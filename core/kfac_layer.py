@@ -59,6 +59,8 @@ class KFACLayer(PreconditionedLayer):
         self.factor_dtype = factor_dtype
         self.captured_inputs: list[Tensor] = []
         self.captured_grads: list[tuple[Tensor, float]] = []
+        #: Forward calls counted (:meth:`note_call`) since the captures were last folded.
+        self.calls = 0
         self.batch_a: Tensor | None = None
         self.batch_g: Tensor | None = None
         #: Whether the staged batch factors went into an average across ranks this step.
@@ -69,8 +71,8 @@ class KFACLayer(PreconditionedLayer):
         self.nonfinite_factor_skips = 0
 
     # Capture: the hooks keep the tensors; factors are built from them at the step -----------
-    def capture_input(self, x: Tensor) -> None:
-        """Keep one forward call's input (a reference: autograd keeps it alive anyway).
+    def note_call(self, x: Tensor) -> None:
+        """Check one forward call's input and count the call (:attr:`backward_complete`).
 
         A new micro-step (gradient accumulation) folds the previous one's tensors into the
         pending batch factors first, so at most one micro-step's tensors are held.
@@ -78,6 +80,11 @@ class KFACLayer(PreconditionedLayer):
         self.check_input(x)
         if self.captured_grads:
             self.fold_captures()
+        self.calls += 1
+
+    def capture_input(self, x: Tensor) -> None:
+        """Keep the input of a forward call whose output gradient has arrived (a reference:
+        autograd keeps it alive anyway)."""
         self.captured_inputs.append(x)
 
     def capture_grad_output(self, gy: Tensor) -> None:
@@ -86,8 +93,10 @@ class KFACLayer(PreconditionedLayer):
 
     @property
     def backward_complete(self) -> bool:
-        """Whether every forward call captured in this micro-step has its output gradient."""
-        return bool(self.captured_inputs) and len(self.captured_grads) == len(self.captured_inputs)
+        """Whether every forward call counted in this micro-step has its output gradient
+        (never, for a micro-step with a call whose output reached no backward pass: its
+        factors are then built at the step)."""
+        return self.calls > 0 and len(self.captured_grads) == self.calls
 
     def fold_captures(self, timer: StageTimer | None = None) -> None:
         """Turn the kept tensors into batch factors (added to the pending ones) and drop them.
@@ -119,7 +128,7 @@ class KFACLayer(PreconditionedLayer):
                 SymmetricGram(self.g_dim, dtype, gy.device), helper.grad_slices(gy),
                 helper.g_rows, partial(add_g_rows, batch=gy.shape[0], scaling=self.scaling,
                                        multiplier=multiplier), stage))
-        self.captured_inputs, self.captured_grads = [], []
+        self.captured_inputs, self.captured_grads, self.calls = [], [], 0
 
     def _shifted_factor(self, x: Tensor, plan: Plan,
                         stage: Callable[[str], AbstractContextManager[None]]) -> Tensor:
@@ -178,7 +187,7 @@ class KFACLayer(PreconditionedLayer):
 
     def discard_batch_factors(self) -> None:
         """Forget everything captured for this step (e.g. an AMP overflow step)."""
-        self.captured_inputs, self.captured_grads = [], []
+        self.captured_inputs, self.captured_grads, self.calls = [], [], 0
         self.a.discard_pending()
         self.g.discard_pending()
         self.batch_a = self.batch_g = None

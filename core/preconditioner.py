@@ -189,6 +189,7 @@ class KFACPreconditioner:
             enabled=lambda: (self._capturing and captures
                              and not self.disabled_stages & {"capture", "factors"}),
             name=layer.name,
+            on_forward=layer.note_call,
         )
 
     def _factors_in_backward(self, layer: KFACLayer, gy: Tensor) -> None:

@@ -150,7 +150,6 @@ class Rank1Layer(PreconditionedLayer):
 
     def capture_input(self, x: Tensor) -> None:
         """Accumulate ``ā`` (without its bias entry) of one forward call."""
-        self.check_input(x)
         self.a.accumulate(activation_vector(self.helper, x, self.dtype))
 
     def capture_grad_output(self, gy: Tensor) -> None:
@@ -259,7 +258,7 @@ class Rank1Preconditioner:
 
         return CaptureHooks(layer.helper.module, on_input=on_input,
                             on_grad_output=on_grad_output, enabled=lambda: self._capturing,
-                            name=layer.name)
+                            name=layer.name, on_forward=layer.check_input)
 
     def _grad_multiplier(self) -> float:
         """``accumulation_steps / loss_scale``: undo the loss division and the AMP scale.

@@ -144,3 +144,25 @@ def test_hooks_detach_and_attach_again_once(make: type) -> None:
     assert hook_counts() == attached
     F.mse_loss(model(torch.randn(6, 5)), torch.randn(6, 3)).backward()
     precond.step()
+
+
+@pytest.mark.parametrize("make", PRECONDITIONERS)
+def test_a_forward_pass_without_backward_leaves_the_statistics_alone(make: type) -> None:
+    """A forward pass in training mode with gradients enabled whose output never reaches a
+    backward pass (a loss logged on another batch without ``torch.no_grad()``) must not enter
+    the curvature: only calls whose output receives a gradient are captured. Its inputs
+    were averaged into the input statistics, with no gradient to match, changing the step."""
+    torch.manual_seed(0)
+    x, y, other = torch.randn(8, 5), torch.randn(8, 3), 3 + torch.randn(8, 5)
+    grads = []
+    for extra_forward in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        precond = make(model)
+        if extra_forward:
+            F.mse_loss(model(other), y)  # computed, never backpropagated
+        F.mse_loss(model(x), y).backward()
+        precond.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, with_extra in zip(*grads, strict=True):
+        torch.testing.assert_close(with_extra, plain, rtol=0, atol=0)
