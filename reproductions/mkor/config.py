@@ -183,8 +183,11 @@ class PretrainConfig:
         if self.micro_batch_size is not None:
             check_number("micro_batch_size", self.micro_batch_size, low=1, integer=True)
         check_number("lr", self.lr, low=0.0, low_inclusive=False, **_FINITE)
-        for name in ("warmup", "dropout", "eval_fraction"):
+        for name in ("warmup", "dropout"):
             check_number(name, getattr(self, name), low=0.0, high=1.0)
+        # below 1: holding out every line leaves nothing to train on
+        check_number("eval_fraction", self.eval_fraction, low=0.0, high=1.0,
+                     high_inclusive=False)
         check_number("mlm_probability", self.mlm_probability, low=0.0, high=1.0,
                       low_inclusive=False)
         check_number("poly_power", self.poly_power, low=0.0, low_inclusive=False, **_FINITE)

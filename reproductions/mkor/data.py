@@ -177,7 +177,8 @@ def load_tokenizer(spec: str, corpus: Corpus, *, vocab_size: int, max_length: in
 
     Raises:
         ConfigError: ``"wordpiece"`` for a corpus that is not one text file.
-        DataUnavailableError: a Hub tokenizer cannot be reached.
+        DataUnavailableError: a Hub tokenizer cannot be reached, or a directory holds no
+            tokenizer that loads.
     """
     if spec == "wordpiece":
         if corpus.text_file is None:
@@ -192,8 +193,10 @@ def load_tokenizer(spec: str, corpus: Corpus, *, vocab_size: int, max_length: in
     try:
         return AutoTokenizer.from_pretrained(spec, model_max_length=max_length,
                                              local_files_only=local.is_dir())
-    except OSError as exc:
-        raise DataUnavailableError(f"tokenizer {spec!r} from the Hugging Face Hub ({exc})",
+    except (OSError, ValueError) as exc:  # ValueError: a folder without a tokenizer's files
+        where = "in the folder" if local.is_dir() else "from the Hugging Face Hub"
+        reason = " ".join(str(exc).split())  # transformers' messages span lines
+        raise DataUnavailableError(f"tokenizer {spec!r} {where} ({reason})",
                                    "go online, or pass --tokenizer DIR (a folder with "
                                    "vocab.txt) or --tokenizer wordpiece") from None
 
@@ -287,17 +290,27 @@ def pretraining_examples(corpus: Corpus, tokenizer: PreTrainedTokenizerBase, *, 
         ``(train, held_out)`` with ``input_ids``, ``token_type_ids``, ``next_sentence_label``.
 
     Raises:
-        ValueError: the corpus is too small for an example on each side at this ``seq_len``.
+        DataUnavailableError: the corpus is too small for a line, or an example, on each side
+            at this ``eval_fraction`` and ``seq_len``.
     """
+    fix = ("use a larger corpus (--corpus), a shorter --seq-len, or an eval_fraction that leaves "
+           "text on both sides (--set eval_fraction=F)")
     mask = held_out_lines(len(corpus.texts), eval_fraction=eval_fraction, seed=seed)
-    train = _pairs(corpus.texts.select(np.flatnonzero(~mask)), tokenizer, seq_len=seq_len,
-                   seed=seed, part="train")
-    held_out = _pairs(corpus.texts.select(np.flatnonzero(mask)), tokenizer, seq_len=seq_len,
-                      seed=seed, part="held out")
+    train_lines, held_lines = np.flatnonzero(~mask), np.flatnonzero(mask)
+    if len(train_lines) < 1 or len(held_lines) < 1:  # pairing no lines would fail in datasets
+        raise DataUnavailableError(
+            f"a line on each side of the train/held-out split ({corpus.description}: "
+            f"{len(train_lines)} training and {len(held_lines)} held-out line(s) at "
+            f"eval_fraction {eval_fraction})", fix)
+    train = _pairs(corpus.texts.select(train_lines), tokenizer, seq_len=seq_len, seed=seed,
+                   part="train")
+    held_out = _pairs(corpus.texts.select(held_lines), tokenizer, seq_len=seq_len, seed=seed,
+                      part="held out")
     if len(train) < 1 or len(held_out) < 1:
-        raise ValueError(f"{corpus.description} gives {len(train)} training and "
-                         f"{len(held_out)} held-out example(s) at seq_len {seq_len}; use a "
-                         "larger corpus, a larger eval_fraction or a shorter seq_len")
+        raise DataUnavailableError(
+            f"an example on each side of the train/held-out split ({corpus.description}: "
+            f"{len(train)} training and {len(held_out)} held-out example(s) at seq_len "
+            f"{seq_len})", fix)
     return train, held_out
 
 

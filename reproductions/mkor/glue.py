@@ -82,15 +82,18 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
 
     Raises:
         DataUnavailableError: the file is missing (the message names it).
-        CorruptDataError: a named column is missing, a label is not one of the task's, or the
-            file holds no examples.
+        CorruptDataError: the file is not UTF-8, a named column is missing, a label is not one
+            of the task's (or an STS-B score not a number), or the file holds no examples.
     """
     fix = (f"--data-dir must hold the official GLUE folders ({task.folder}/train.tsv, "
            f"{task.folder}/{task.dev_file}) as download_glue_data.py writes them")
     if not path.is_file():
         raise DataUnavailableError(str(path), fix)
-    with path.open(encoding="utf-8-sig", newline="") as handle:
-        rows = list(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as handle:
+            rows = list(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
+    except UnicodeDecodeError as exc:
+        raise CorruptDataError(path, f"not UTF-8 text ({exc})", fix) from None
     header, body = (rows[0], rows[1:]) if task.header else ([], rows)
 
     def index(column: str | int) -> int:
@@ -111,7 +114,11 @@ def read_split(path: Path, task: GlueTask) -> dict[str, list[Any]]:
             continue
         value = row[label]
         if task.labels is None:
-            out["label"].append(float(value))
+            try:
+                out["label"].append(float(value))
+            except ValueError:
+                raise CorruptDataError(f"{path}:{number}", f"score {value!r} is not a number",
+                                       fix) from None
         elif value in task.labels:
             out["label"].append(task.labels.index(value))
         else:

@@ -45,7 +45,7 @@ def read_squad(path: Path) -> list[dict[str, Any]]:
 
     Raises:
         DataUnavailableError: the file is missing (the message names the expected files).
-        CorruptDataError: the file is not SQuAD v1.1 JSON or holds no questions.
+        CorruptDataError: the file is not UTF-8 SQuAD v1.1 JSON or holds no questions.
     """
     fix = "--data-dir must hold the official train-v1.1.json and dev-v1.1.json"
     if not path.is_file():
@@ -58,7 +58,7 @@ def read_squad(path: Path) -> list[dict[str, Any]]:
                       "answer_start": qa["answers"][0]["answer_start"]}
                      for article in articles for paragraph in article["paragraphs"]
                      for qa in paragraph["qas"]]
-    except (KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
+    except (KeyError, IndexError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptDataError(path, f"not SQuAD v1.1 JSON ({type(exc).__name__}: {exc})",
                                fix) from None
     if not questions:

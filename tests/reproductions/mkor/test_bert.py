@@ -14,7 +14,12 @@ from reproductions.common.results import load_results
 from reproductions.common.tracking import read_offline_history
 from reproductions.mkor import bert
 from reproductions.mkor.config import field_help
-from tests.reliability.test_bad_input import Parsed, assert_clear_error, invoke
+from tests.reliability.test_bad_input import (
+    Parsed,
+    assert_clear_error,
+    assert_data_error,
+    invoke,
+)
 
 OPTIMIZERS = ["lamb", "kfac", "mkor", "mkor-h", "eva"]
 
@@ -97,11 +102,31 @@ def test_bad_overrides_name_the_field(run_args: list[str],
                                       capsys: pytest.CaptureFixture[str]) -> None:
     for extra, field in ((["--set", "lerning_rate=0.1"], "lerning_rate"),
                          (["--optimizers", "lamb,adam"], "optimizers"),
-                         (["--optimizers", "lamb,lamb"], "optimizers")):  # ran LAMB twice
+                         (["--optimizers", "lamb,lamb"], "optimizers"),  # ran LAMB twice
+                         (["--set", "eval_fraction=1"], "eval_fraction")):  # no training text
         with pytest.raises(SystemExit) as info:  # argparse's exit: status 2, one line
             bert.main([*run_args, *extra])
         assert info.value.code == 2
         assert f"error: invalid {field}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("lines", "tokenizer", "says"), [
+    (25, "wordpiece", "an example on each side of the train/held-out split"),
+    (1, "wordpiece", "a line on each side of the train/held-out split"),
+    (25, "empty folder", "in the folder"),
+])
+def test_an_unusable_corpus_or_tokenizer_ends_in_one_line(
+        run_args: list[str], tmp_path: Path, lines: int, tokenizer: str, says: str) -> None:
+    """A corpus too small for an example on each side of the split, one of one line, and an
+    empty --tokenizer folder each ended in a traceback (ours, datasets', transformers')."""
+    small = tmp_path / "small.txt"
+    small.write_text("".join(f"fox jumps {i} over\n" for i in range(lines)), encoding="utf-8")
+    if tokenizer == "empty folder":
+        tokenizer = str(tmp_path / "tokenizer")
+        Path(tokenizer).mkdir()
+    argv = [*run_args, "--optimizers", "lamb", "--wandb", "disabled", "--corpus", str(small),
+            "--tokenizer", tokenizer]
+    assert_data_error(*invoke(bert.main, argv), says)
 
 
 def test_cuda_without_cuda_ends_in_one_line(run_args: list[str], monkeypatch: pytest.MonkeyPatch,

@@ -67,6 +67,7 @@ def test_overrides() -> None:
     ({"preconditioner.mkor-h.window": 0}, "preconditioner.mkor-h.window"),
     ({"seq_len": 1000}, "seq_len"),  # beyond the 512 positions: a traceback after the data
     ({"warm_start.seq_len": 600}, "warm_start.seq_len"),
+    ({"eval_fraction": 1.0}, "eval_fraction"),  # nothing left to train on: datasets' traceback
 ])
 def test_errors_name_the_field(overrides: dict, field: str) -> None:
     with pytest.raises(ConfigError) as info:

@@ -147,3 +147,27 @@ def test_held_out_examples_share_no_text_with_training_examples(prepared, corpus
     again = data.held_out_lines(len(corpus.texts), eval_fraction=0.1, seed=0)
     assert (again == mask).all() and not (data.held_out_lines(
         len(corpus.texts), eval_fraction=0.1, seed=1) == mask).all()
+
+
+@pytest.mark.parametrize(("lines", "eval_fraction", "says"), [
+    (25, 0.1, r"an example on each side of the train/held-out split \(1 local text file\(s\): "
+              r"\d+ training and 0 held-out example\(s\) at seq_len 32\)"),
+    (1, 0.1, r"a line on each side .*: 0 training and 1 held-out line\(s\) at eval_fraction "
+             r"0\.1\)"),
+    (25, 0.99, r"a line on each side .*: 0 training and 25 held-out line\(s\) at eval_fraction "
+               r"0\.99\)"),
+])
+def test_a_corpus_too_small_for_both_sides_of_the_split_is_a_data_error(
+        prepared, tmp_path: Path, data_dir: Path, lines: int, eval_fraction: float,
+        says: str) -> None:
+    """25 short lines gave no held-out example: a ValueError traceback. One line (or every
+    line held out) left no training lines, and pairing none failed inside datasets ("Column
+    name ['ids'] not in the dataset"). Now each is a one-line data error naming the fix."""
+    tokenizer, _, _ = prepared
+    small = tmp_path / "small.txt"
+    small.write_text("".join(f"fox jumps {i} over\n" for i in range(lines)), encoding="utf-8")
+    corpus = data.load_corpus([str(small)], data_dir=data_dir)
+    with pytest.raises(DataUnavailableError, match=says + r" is not available\. Fix: use a "
+                                                          r"larger corpus \(--corpus\)"):
+        data.pretraining_examples(corpus, tokenizer, seq_len=32, seed=0,
+                                  eval_fraction=eval_fraction)

@@ -127,13 +127,24 @@ def one_error_line(capsys: pytest.CaptureFixture[str], prog: str) -> str:
 
 def test_glue_data_errors_end_in_one_line_naming_the_file(
         model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A missing TSV, a foreign label and a file without examples: status 1, the file and fix."""
+    """A missing TSV, a foreign label, a file without examples, one not in UTF-8 and an STS-B
+    score that is not a number: status 1, the file (and line) and the fix. The last two were
+    UnicodeDecodeError and float()'s ValueError tracebacks."""
     write_tsv(tmp_path / "RTE" / "train.tsv", [["index", "sentence1", "sentence2", "label"],
                                                ["0", "a", "b", "maybe"]])
     write_tsv(tmp_path / "SST-2" / "train.tsv", [["sentence", "label"]])
+    (tmp_path / "QNLI").mkdir()
+    (tmp_path / "QNLI" / "train.tsv").write_bytes(b"index\tquestion\tsentence\tlabel\n"
+                                                  b"0\tCaf\xe9?\tYes.\tentailment\n")
+    write_tsv(tmp_path / "STS-B" / "train.tsv", [["sentence1", "sentence2", "score"],
+                                                 ["a", "b", "1.5"], ["a", "c", "high"]])
     for task, text in (("mrpc", "MRPC/train.tsv is not available. Fix: --data-dir must hold"),
                        ("rte", "RTE/train.tsv:2: label 'maybe' is not one of"),
-                       ("sst2", "SST-2/train.tsv: no examples. Fix: --data-dir must hold")):
+                       ("sst2", "SST-2/train.tsv: no examples. Fix: --data-dir must hold"),
+                       ("qnli", "QNLI/train.tsv: not UTF-8 text ('utf-8' codec can't decode "
+                                "byte 0xe9"),
+                       ("stsb", "STS-B/train.tsv:3: score 'high' is not a number. Fix: "
+                                "--data-dir must hold")):
         with pytest.raises(SystemExit) as info:
             glue.main(["--task", task, *common_args(tmp_path, model_dir, tmp_path / "o")])
         assert info.value.code == 1, task
@@ -295,6 +306,23 @@ def test_squad_refuses_a_stride_the_longest_question_leaves_no_room_for(
     line = one_error_line(capsys, "python -m reproductions.mkor.squad")
     assert "invalid --doc-stride=25: expected fewer than the " in line
     assert "beside the longest question" in line
+
+
+def test_squad_data_not_in_utf8_ends_in_one_line_naming_the_file(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A train-v1.1.json with a Latin-1 byte was a UnicodeDecodeError traceback; now it is
+    the one line (status 1) that truncated JSON gets."""
+    squad_dir = tmp_path / "squad"
+    squad_dir.mkdir()
+    squad_file(squad_dir / "dev-v1.1.json")
+    (squad_dir / "train-v1.1.json").write_bytes(b'{"version": "1.1", "data": "caf\xe9"}')
+    with pytest.raises(SystemExit) as info:
+        squad.main([*common_args(squad_dir, model_dir, tmp_path / "o"), "--doc-stride", "8"])
+    assert info.value.code == 1
+    line = one_error_line(capsys, "python -m reproductions.mkor.squad")
+    assert f"{squad_dir / 'train-v1.1.json'}: not SQuAD v1.1 JSON (UnicodeDecodeError: " in line
+    assert line.endswith("Fix: --data-dir must hold the official train-v1.1.json and "
+                         "dev-v1.1.json")
 
 
 def test_squad_scoring_and_spans(model_dir: Path, tmp_path: Path) -> None:

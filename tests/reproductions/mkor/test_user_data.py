@@ -10,6 +10,7 @@ import huggingface_hub
 import pytest
 
 from core.config import ConfigError
+from data.errors import DataUnavailableError
 from reproductions.mkor import data, squad
 from tests.reproductions.mkor.conftest import english_like_lines
 
@@ -87,3 +88,17 @@ def test_a_cased_tokenizer_directory_is_not_lowercased(tmp_path: Path) -> None:
         str(folder), None, vocab_size=10, max_length=16).tokenize("The Model.")
     assert tokenize(cased) == ["The", "Model", "."]
     assert tokenize(bare) == ["the", "model", "."]
+
+
+def test_an_empty_tokenizer_folder_is_named_in_one_line(tmp_path: Path) -> None:
+    """--tokenizer DIR of an existing folder without tokenizer files ended in transformers'
+    ValueError traceback ("Couldn't instantiate the backend tokenizer"), not the one-line
+    error a missing tokenizer gets."""
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    with pytest.raises(DataUnavailableError) as info:
+        data.load_tokenizer(str(folder), None, vocab_size=10, max_length=16)
+    message = str(info.value)
+    assert f"tokenizer '{folder}' in the folder (" in message and "\n" not in message
+    assert message.endswith("Fix: go online, or pass --tokenizer DIR (a folder with vocab.txt) "
+                            "or --tokenizer wordpiece")
