@@ -25,10 +25,10 @@ def data_root(override: str | Path | None = None) -> Path:
     """Return the cache directory for prepared data.
 
     The first of these that is set wins: ``override`` (typically a ``--data-dir`` flag), the
-    ``KFAC_DATA_DIR`` environment variable, then ``<repo>/.cache/data``. The directory is not
-    created here; writers create the sub-directories they need. It is checked to be creatable,
-    so that a file in its place ends the command in one line (naming ``--data-dir``) instead
-    of a traceback from the first cache written.
+    ``KFAC_DATA_DIR`` environment variable, then ``<repo>/.cache/data``. The directory is
+    created here (writers create the sub-directories they need), so that one that cannot be
+    (a file in its place) ends the command in one line (naming ``--data-dir``) instead of a
+    traceback from the first cache written.
 
     Args:
         override: An explicit directory, or None to fall back to the environment and default.
@@ -60,18 +60,19 @@ def data_root(override: str | Path | None = None) -> Path:
 
 def directory_problem(path: Path) -> str | None:
     """Why ``path`` cannot be a directory on this machine: a file (or a broken link) in its
-    place or in a parent's, or a nearest existing parent that cannot be written to.
+    place or in a parent's, or a directory that cannot be created (no permission, a file
+    system such as ``/proc`` that takes no new entries).
 
-    Checked without creating anything, so an entry point can refuse an output or cache
-    directory before any work (an existing directory is accepted as it is: a cache may be
-    read-only once built).
+    A missing ``path`` is created (with its parents), so that an entry point can refuse an
+    output or cache directory before any work: only creating it tells, since permission bits
+    say nothing for root. An existing directory is accepted as it is (a cache may be read-only
+    once built).
 
     Args:
         path: The directory.
 
     Returns:
-        The reason, naming the path at fault, or None when ``path`` is a directory or can be
-        created.
+        The reason, naming the path at fault, or None when ``path`` is a directory (now).
     """
     for candidate in (path, *path.parents):
         try:
@@ -86,9 +87,13 @@ def directory_problem(path: Path) -> str | None:
             return f"{candidate}: {exc.strerror}"
         if not stat.S_ISDIR(mode):
             return f"{candidate} is not a directory"
-        if candidate != path and not os.access(candidate, os.W_OK | os.X_OK):
-            return f"{candidate} is not writable"
-        return None
+        if candidate == path:
+            return None
+        break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {exc.filename or path}: {exc.strerror or exc}"
     return None
 
 

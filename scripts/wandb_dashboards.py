@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if not wandb_logged_in():
-        print("Not logged in to W&B (no WANDB_API_KEY, no api.wandb.ai entry in ~/.netrc): no "
+        print("Not logged in to W&B (no WANDB_API_KEY, no W&B server entry in ~/.netrc): no "
               "dashboards created. Run `wandb login`, sync the runs (`wandb sync <run dir>`), "
               "then run this again.", file=sys.stderr)
         return 1

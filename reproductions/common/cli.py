@@ -121,12 +121,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def writable_directory(path: Path, option: str) -> Path:
-    """Check, before any work, that the output directory ``path`` exists or can be created: a
-    regular file in its place (or in the place of a parent) would otherwise end the command in
-    a traceback when its first file is written, after the work.
+    """Check, before any work, that the output directory ``path`` exists or can be created, by
+    creating it: a regular file in its place (or in the place of a parent), or a place that
+    takes no directories, would otherwise end the command in a traceback when its first file
+    is written, after the work.
 
     Args:
-        path: The directory an option names (created later, where it is written to).
+        path: The directory an option names (created here when missing).
         option: The option, named in the message (``"--out"``).
 
     Returns:

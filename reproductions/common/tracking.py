@@ -3,9 +3,11 @@
 Every run lands in project ``kfac-repro-<paper>``, group ``<experiment>`` (so one experiment's
 optimizers sit side by side), and is named ``<experiment>-<optimizer>-<seed>``. The mode is
 ``online`` only when the user is logged in (``WANDB_API_KEY`` is set or ``~/.netrc`` has an
-entry for ``api.wandb.ai``) and ``WANDB_MODE`` does not say offline/disabled; otherwise runs are
-written offline under ``<directory>/wandb/offline-run-*`` (upload later with ``wandb sync``) and
-can be read back with :func:`read_offline_history`. Configurations, logged values and the command
+entry for the W&B server, as ``wandb login`` writes) and ``WANDB_MODE`` does not say
+offline/disabled; otherwise runs are written offline under ``<directory>/wandb/offline-run-*``
+(upload later with ``wandb sync``) and can be read back with :func:`read_offline_history`.
+``--wandb online`` without a login is refused when parsed; an online run whose server cannot be
+reached is recorded offline instead, with a warning. Configurations, logged values and the command
 line W&B records are scrubbed of credentials (:mod:`reproductions.common.scrub`) before they leave
 the process.
 """
@@ -19,17 +21,25 @@ import os
 import struct
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
 from reproductions.common.scrub import scrub_argv, scrub_secrets
 
 MODES = ("auto", "online", "offline", "disabled")
 """Choices of ``--wandb``; ``auto`` resolves with :func:`resolve_mode`."""
 
-WANDB_HOST = "api.wandb.ai"
+WANDB_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
+"""The W&B cloud's API hosts in ``~/.netrc``: ``wandb login`` writes the second since wandb 0.31,
+which still reads the first."""
+
+INIT_TIMEOUT_S = 30.0
+"""Seconds an online run waits for the W&B server before it is recorded offline instead (W&B's
+own default, 90, kept an offline machine waiting); ``WANDB_INIT_TIMEOUT`` overrides it."""
 
 _HEADER = struct.Struct("<4sHB")  # magic ":W&B", identifier, version
 _CHUNK = struct.Struct("<IHB")    # crc32, length, type (LevelDB log framing)
@@ -40,12 +50,31 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def add_wandb_argument(parser: argparse.ArgumentParser) -> None:
     """Add the shared ``--wandb {auto,online,offline,disabled}`` option (``args.wandb``)."""
     parser.add_argument(
-        "--wandb", choices=MODES, default="auto",
+        "--wandb", type=wandb_mode, choices=MODES, default="auto",
         help="Weights & Biases mode. auto (default): online when logged in (WANDB_API_KEY or "
-             "a ~/.netrc entry for api.wandb.ai) and WANDB_MODE is not offline/disabled, "
+             "a ~/.netrc entry from `wandb login`) and WANDB_MODE is not offline/disabled, "
              "else offline (files under wandb/ in the run's directory: --out, or --run-dir where "
-             "the command has one; upload later with `wandb sync`); "
+             "the command has one; upload later with `wandb sync`); online needs a login, and "
+             "records the run offline when the server cannot be reached; "
              "disabled writes nothing.")
+
+
+def wandb_mode(text: str) -> str:
+    """An argparse ``type`` for ``--wandb`` that refuses ``online`` without a W&B login when
+    parsed, in one line, instead of in W&B's traceback once the data and model are built.
+
+    Returns:
+        ``text`` unchanged (argparse checks it against :data:`MODES`).
+
+    Raises:
+        argparse.ArgumentTypeError: ``online`` and :func:`wandb_logged_in` is False (argparse
+            names the option).
+    """
+    if text == "online" and not wandb_logged_in():
+        raise argparse.ArgumentTypeError(
+            "online needs a W&B login: run `wandb login` (or set WANDB_API_KEY) first, or pass "
+            "--wandb offline and upload the run later with `wandb sync`")
+    return text
 
 
 def wandb_logged_in(environ: Mapping[str, str] | None = None) -> bool:
@@ -53,19 +82,22 @@ def wandb_logged_in(environ: Mapping[str, str] | None = None) -> bool:
 
     Args:
         environ: The environment; ``os.environ`` when None. ``NETRC`` names the netrc file
-            (default ``~/.netrc``).
+            (default ``~/.netrc``); ``WANDB_BASE_URL`` a W&B server of one's own.
 
     Returns:
-        True when ``WANDB_API_KEY`` is non-empty or the netrc file has ``api.wandb.ai``.
+        True when ``WANDB_API_KEY`` is non-empty or the netrc file has an entry for one of
+        :data:`WANDB_HOSTS` or the host of ``WANDB_BASE_URL``.
     """
     env = os.environ if environ is None else environ
     if env.get("WANDB_API_KEY"):
         return True
     path = Path(env.get("NETRC") or Path.home() / ".netrc").expanduser()
+    hosts = [*WANDB_HOSTS, urlsplit(env.get("WANDB_BASE_URL", "")).netloc]
     try:
-        return netrc.netrc(str(path)).authenticators(WANDB_HOST) is not None
+        entries = netrc.netrc(str(path))
     except (OSError, netrc.NetrcParseError):
         return False
+    return any(entries.authenticators(host) is not None for host in hosts if host)
 
 
 def resolve_mode(requested: str = "auto", environ: Mapping[str, str] | None = None) -> str:
@@ -97,6 +129,10 @@ def resolve_mode(requested: str = "auto", environ: Mapping[str, str] | None = No
 class Tracker:
     """One W&B run, named for the dashboard (see the module docstring).
 
+    An online run whose start fails (no network, a server that does not answer within
+    :data:`INIT_TIMEOUT_S`, a key it refuses) is recorded offline instead, with a warning naming
+    the ``wandb sync`` command that uploads it later: the training is not lost to the tracking.
+
     Args:
         paper: The reproduction; the project is ``kfac-repro-<paper>``.
         experiment: The experiment; the group.
@@ -120,15 +156,28 @@ class Tracker:
         self.name = f"{experiment}-{optimizer}-{seed}"
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        timeout = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
+
+        def init(mode: str) -> Any:
+            return wandb.init(
+                project=self.project, group=self.group, name=self.name, job_type=optimizer,
+                config=scrub_secrets(dict(config)), mode=mode, dir=str(directory),
+                id=run_id, resume="allow" if run_id else None,
+                settings=wandb.Settings(console="off", quiet=True, **timeout),
+            )
+
         argv = sys.argv
         sys.argv = scrub_argv(argv)  # W&B records the command line in the run's metadata
         try:
-            self.run: Any = wandb.init(
-                project=self.project, group=self.group, name=self.name, job_type=optimizer,
-                config=scrub_secrets(dict(config)), mode=self.mode, dir=str(directory),
-                id=run_id, resume="allow" if run_id else None,
-                settings=wandb.Settings(console="off", quiet=True),
-            )
+            try:
+                self.run: Any = init(self.mode)
+            except wandb.errors.CommError as exc:  # only an online run talks to the server
+                self.mode = "offline"
+                self.run = init(self.mode)
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+                warnings.warn(f"W&B could not start the online run ({reason}); it is recorded "
+                              f"offline in {self.run_dir} instead: upload it later with "
+                              f"`wandb sync {self.run_dir}`", stacklevel=2)
         finally:
             sys.argv = argv
         self.id: str = self.run.id

@@ -42,6 +42,7 @@ from core.timing import StageTimer
 from data.fashion_mnist import fashion_mnist
 from data.paths import add_data_dir_argument
 from reproductions.common.checkpoint import (
+    CheckpointError,
     load_agreed_checkpoint,
     require_same_config,
     save_checkpoint,
@@ -258,6 +259,13 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
         require_same_config(state.get("config"), run_config, checkpoints, ignore=("max_steps",),
                             fix="run with the same settings to continue it, or pass another "
                                 "--run-dir (or delete this one) to start afresh")
+        if state["step"] + 1 > total:  # its results would record more steps than it says
+            if ctx.world_size > 1:
+                dist.barrier()  # every rank refuses alike: they leave together
+            raise CheckpointError(
+                f"the checkpoint in {checkpoints} has {state['step'] + 1} steps done, more than "
+                f"--max-steps {total}; pass --max-steps {state['step'] + 1} or more to continue "
+                "it, or another --run-dir (or delete this one) to start afresh")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         stage_time.totals.update(state["stage_time"])

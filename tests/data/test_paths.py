@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from data.paths import DATA_DIR_ENV, REPO_ROOT, add_data_dir_argument, data_root
+from data.paths import (
+    DATA_DIR_ENV,
+    REPO_ROOT,
+    add_data_dir_argument,
+    data_root,
+    directory_problem,
+)
 
 
 def test_env_var_sets_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,3 +48,23 @@ def test_symlink_loop_is_refused_naming_it(tmp_path: Path) -> None:
     (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
     with pytest.raises(DataUnavailableError, match=r"loop_a.*--data-dir"):
         data_root(tmp_path / "loop_a")
+
+
+def test_a_directory_is_created_or_refused_naming_why(tmp_path: Path) -> None:
+    assert directory_problem(tmp_path / "new" / "sub") is None
+    assert (tmp_path / "new" / "sub").is_dir()
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    assert directory_problem(blocked / "sub") == f"{blocked} is not a directory"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_place_that_takes_no_directories_is_refused_also_for_root() -> None:
+    """The check asked os.access, which allows root everything: ``/proc/foo`` passed and the
+    run failed later with a traceback from mkdir."""
+    from data.errors import DataUnavailableError
+
+    assert directory_problem(Path("/proc/kfac-repro-test")) == (
+        "cannot create /proc/kfac-repro-test: No such file or directory")
+    with pytest.raises(DataUnavailableError, match=r"cannot create /proc/kfac-repro-test.*--data"):
+        data_root("/proc/kfac-repro-test")

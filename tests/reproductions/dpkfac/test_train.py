@@ -150,3 +150,28 @@ def test_the_checkpoint_is_saved_before_the_results_file(tmp_path: Path) -> None
             None, "disabled")
     saved = list_checkpoints(tmp_path / "run" / "checkpoints" / "fashion_mnist-sgd" / "rank0")
     assert [p.name for p in saved] == ["checkpoint-000000002.pt"]
+
+
+def test_a_max_steps_below_the_checkpoint_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rerun with a smaller --max-steps than its checkpoint had done, a run exited 0 and
+    rewrote its results file: all the steps recorded, but summary.steps the smaller number."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(asdict(TrainConfig(test_examples=100))))
+    args = ["--optimizer", "sgd", "--workers", "1", "--config", str(config), "--wandb",
+            "disabled", "--out", str(tmp_path / "results"), "--run-dir", str(tmp_path / "run")]
+    main([*args, "--max-steps", "3"])
+    path = tmp_path / "results" / "fashion_mnist-sgd.json"
+    before = path.read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--max-steps", "2"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    checkpoints = tmp_path / "run" / "checkpoints" / "fashion_mnist-sgd" / "rank0"
+    assert err.strip().endswith(
+        f"error: the checkpoint in {checkpoints} has 3 steps done, more than --max-steps 2; pass "
+        "--max-steps 3 or more to continue it, or another --run-dir (or delete this one) to "
+        "start afresh")
+    assert path.read_bytes() == before
