@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Protocol
 
 from core.distributed import SimulationReport
+from data.atomic import atomic_path
 from reproductions.common.shapes import LayerShape
 
 FLOPS_PER_MAC = 2
@@ -118,9 +119,11 @@ class KernelRates:
         return FlopCost(self.method).precondition(g, a) / self.gemm_flops
 
     def save(self, path: Path) -> Path:
-        """Write the rates as JSON (schema :data:`RATES_SCHEMA`); returns ``path``."""
-        Path(path).write_text(json.dumps({"schema": RATES_SCHEMA, **asdict(self)}, indent=1,
-                                         ensure_ascii=False) + "\n", encoding="utf-8")
+        """Write the rates as JSON (schema :data:`RATES_SCHEMA`), atomically (a run stopped
+        while writing leaves the previous file); returns ``path``."""
+        with atomic_path(Path(path)) as partial:
+            partial.write_text(json.dumps({"schema": RATES_SCHEMA, **asdict(self)}, indent=1,
+                                          ensure_ascii=False) + "\n", encoding="utf-8")
         return Path(path)
 
     @classmethod
