@@ -244,7 +244,7 @@ def load_newest_checkpoint(directory: Path, map_location: str | torch.device = "
 
     Raises:
         CheckpointError: eligible checkpoints exist but none can be read; the message names each
-            file and why it failed.
+            file, why it failed, and what to do.
     """
     failures: list[str] = []
     for path in reversed(list_checkpoints(directory)):
@@ -265,7 +265,9 @@ def load_newest_checkpoint(directory: Path, map_location: str | torch.device = "
         return step, state
     if failures:
         raise CheckpointError(f"no checkpoint in {directory} can be loaded: "
-                              + "; ".join(failures))
+                              + "; ".join(failures) + "; restore them from a copy to continue the "
+                              "run, or move them away (or pass another run directory) to start "
+                              "afresh")
     return None
 
 

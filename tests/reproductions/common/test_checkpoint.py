@@ -223,5 +223,6 @@ def test_a_rank_that_cannot_resume_makes_every_rank_raise_its_error(tmp_path: Pa
     rank0, rank1 = run_local(_agreement_errors, 2, roots, timeout=60)
     assert rank0 == rank1
     assert rank0[0].startswith(f"no checkpoint in {damaged.parent} can be loaded: {damaged}")
+    assert rank0[0].endswith("or move them away (or pass another run directory) to start afresh")
     assert rank0[1].startswith(f"the checkpoint {single} was saved by a run of world size 1, "
                                "not 2 like this one")
