@@ -31,22 +31,24 @@ class CaptureHooks:
 
     Args:
         module: The layer to watch.
-        on_input: Called with the (detached) input of each forward call whose output
-            receives a gradient (its first positional argument, or its ``input`` keyword
-            argument), when that gradient arrives, just before ``on_grad_output``: a call
-            whose output never reaches a backward pass (a loss computed and not
-            backpropagated) adds nothing to the statistics. The input is held by the hook on
-            the call's output until then (autograd keeps it for the weight's gradient
-            anyway).
+        on_input: Called for each forward call whose output receives a gradient, when that
+            gradient arrives, just before ``on_grad_output``, with what ``on_forward`` kept of
+            the call's input (the detached input itself without ``on_forward``): a call whose
+            output never reaches a backward pass (a loss computed and not backpropagated) adds
+            nothing to the statistics. The hook on the call's output holds it until then.
         on_grad_output: Called with the (detached) gradient of each call's output.
         enabled: Whether to capture the current forward/backward pass.
         on_pair: Instead of ``on_input`` and ``on_grad_output``: called with each call's input
             and its output's gradient together, for statistics that need the two of one call
             (BatchNorm's normalised input times its gradient).
         name: The layer's name in the model, for warnings (default: its type's).
-        on_forward: Called at the forward call itself with the (detached) input of each call
-            whose output requires a gradient: to refuse an input there, where the user's
-            code made it, and to count the calls whose gradients a backward pass will bring.
+        on_forward: Called at the forward call itself with the (detached) input (its first
+            positional argument, or its ``input`` keyword argument) of each call whose output
+            requires a gradient; returns what ``on_input`` is given once the gradient arrives.
+            It refuses an input where the user's code made it, counts the calls whose
+            gradients a backward pass will bring, and may keep less than the input (a mean
+            row, where holding the input until the backward pass would defeat activation
+            checkpointing).
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class CaptureHooks:
         enabled: Callable[[], bool] = lambda: True,
         on_pair: Callable[[Tensor, Tensor], None] | None = None,
         name: str = "",
-        on_forward: Callable[[Tensor], None] | None = None,
+        on_forward: Callable[[Tensor], Any] | None = None,
     ) -> None:
         separate = on_input is not None and on_grad_output is not None
         paired = on_pair is not None and on_input is None and on_grad_output is None
@@ -89,8 +91,7 @@ class CaptureHooks:
         if not output.requires_grad:
             return
         x = x.detach()
-        if self._on_forward is not None:
-            self._on_forward(x)
+        kept = x if self._on_forward is None else self._on_forward(x)
         received = False
 
         def grad_hook(grad: Tensor) -> None:
@@ -103,7 +104,7 @@ class CaptureHooks:
                 return
             assert self._on_input is not None and self._on_grad_output is not None
             if first:
-                self._on_input(x)
+                self._on_input(kept)
             self._on_grad_output(grad.detach())
 
         output.register_hook(grad_hook)

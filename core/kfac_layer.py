@@ -71,8 +71,9 @@ class KFACLayer(PreconditionedLayer):
         self.nonfinite_factor_skips = 0
 
     # Capture: the hooks keep the tensors; factors are built from them at the step -----------
-    def note_call(self, x: Tensor) -> None:
-        """Check one forward call's input and count the call (:attr:`backward_complete`).
+    def note_call(self, x: Tensor) -> Tensor:
+        """Check one forward call's input and count the call (:attr:`backward_complete`);
+        returns the input, which :meth:`capture_input` keeps once the call's gradient arrives.
 
         A new micro-step (gradient accumulation) folds the previous one's tensors into the
         pending batch factors first, so at most one micro-step's tensors are held.
@@ -81,6 +82,7 @@ class KFACLayer(PreconditionedLayer):
         if self.captured_grads:
             self.fold_captures()
         self.calls += 1
+        return x
 
     def capture_input(self, x: Tensor) -> None:
         """Keep the input of a forward call whose output gradient has arrived (a reference:

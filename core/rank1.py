@@ -148,9 +148,15 @@ class Rank1Layer(PreconditionedLayer):
         super().__init__(name, helper, grad_multiplier=grad_multiplier)
         self.dtype = dtype
 
-    def capture_input(self, x: Tensor) -> None:
-        """Accumulate ``ā`` (without its bias entry) of one forward call."""
-        self.a.accumulate(activation_vector(self.helper, x, self.dtype))
+    def input_statistic(self, x: Tensor) -> Tensor:
+        """``ā`` (without its bias entry) of one forward call's input, checked: all that is
+        kept of the input until the call's output gradient arrives."""
+        self.check_input(x)
+        return activation_vector(self.helper, x, self.dtype)
+
+    def capture_input(self, a: Tensor) -> None:
+        """Accumulate one call's :meth:`input_statistic`, once its output gradient arrived."""
+        self.a.accumulate(a)
 
     def capture_grad_output(self, gy: Tensor) -> None:
         """Accumulate the gradient statistic of one backward call."""
@@ -248,17 +254,17 @@ class Rank1Preconditioner:
 
     # Hooks -----------------------------------------------------------------------------------
     def _register(self, layer: Rank1Layer) -> CaptureHooks:
-        def on_input(x: Tensor) -> None:
+        def on_forward(x: Tensor) -> Tensor:
             with self.timer.stage("capture"):
-                layer.capture_input(x)
+                return layer.input_statistic(x)
 
         def on_grad_output(gy: Tensor) -> None:
             with self.timer.stage("capture"):
                 layer.capture_grad_output(gy)
 
-        return CaptureHooks(layer.helper.module, on_input=on_input,
+        return CaptureHooks(layer.helper.module, on_input=layer.capture_input,
                             on_grad_output=on_grad_output, enabled=lambda: self._capturing,
-                            name=layer.name, on_forward=layer.check_input)
+                            name=layer.name, on_forward=on_forward)
 
     def _grad_multiplier(self) -> float:
         """``accumulation_steps / loss_scale``: undo the loss division and the AMP scale.
