@@ -105,14 +105,14 @@ class _Payload:
     flat: Tensor = field(init=False)
     borrowed: bool = field(init=False, default=False)
     #: How many nonzero values of this rank's data the float16 cast lost (0-d, not yet read);
-    #: None where nothing was checked (no float16 cast, or receive buffers).
+    #: None where nothing was counted.
     lost: Tensor | None = field(init=False, default=None)
 
-    def build(self, dtype: torch.dtype | None, scale: float | None, *, own: bool = True
-              ) -> Tensor:
-        """Concatenate (and pre-scale, and cast) the wire form of the tensors; with ``own``
-        (they hold this rank's data, not receive buffers), a cast to float16 counts the values
-        it loses (:attr:`lost`).
+    def build(self, dtype: torch.dtype | None, scale: float | None, *,
+              count_lost: bool = False) -> Tensor:
+        """Concatenate (and pre-scale, and cast) the wire form of the tensors; with
+        ``count_lost`` (they hold this rank's data, not receive buffers, and no loss was
+        reported yet), a cast to float16 counts the values it loses (:attr:`lost`).
 
         A single unpacked tensor is sent through a view of itself, without a copy, unless it
         is scaled or cast or its layout needs a copy to flatten; so are unpacked tensors that
@@ -135,7 +135,7 @@ class _Payload:
                 flat.div_(scale)
         self.flat = flat if dtype is None else flat.to(dtype)
         self.borrowed = self.borrowed and self.flat.dtype == self.tensors[0].dtype
-        if (own and self.flat.dtype == torch.float16 and flat.dtype != torch.float16
+        if (count_lost and self.flat.dtype == torch.float16 and flat.dtype != torch.float16
                 and not flat.is_meta):  # a simulation's meta tensors hold no values
             self.lost = _lost_in_cast(flat, self.flat)
         return self.flat
@@ -316,19 +316,22 @@ class Communicator:
         small gradients lie below that (every entry of ResNet-18's ``G`` factors at batch 16,
         docs/concepts/distribution.md). Reads the counts from the device (a synchronisation
         per collective, on float16 wires only)."""
-        counted = [p for p in payloads if p.lost is not None]
-        if not counted or stage in self._range_reported:
-            return
-        lost = int(sum(int(p.lost) for p in counted if p.lost is not None))
+        counted = [(p.lost, p.flat.numel()) for p in payloads if p.lost is not None]
+        lost = sum(int(count) for count, _ in counted)
         if lost == 0:
             return
         self._range_reported.add(stage)
-        sent = sum(p.flat.numel() for p in counted)
+        sent = sum(n for _, n in counted)
         warnings.warn(f"{stage}: {lost:,} of the {sent:,} values this rank sent in float16 "
                       "fell outside its range (6e-8 to 65504) and arrived as 0 or infinity, so "
                       "the curvature they carry is lost; send bfloat16 instead "
                       "(comm_dtype='bfloat16': float32's range in the same two bytes). "
                       "Reported once per stage.", stacklevel=3)
+
+    def _counts_losses(self, stage: str) -> bool:
+        """Whether this stage's float16 casts still count what they lose (until a loss is
+        reported: the counting costs passes and a synchronisation per collective)."""
+        return stage not in self._range_reported
 
     def _record(self, stage: str, op: str, like: Tensor, elements: int, group: Group,
                 traffic_elements: int) -> None:
@@ -381,7 +384,8 @@ class Communicator:
         """Build one bucket's buffer, record it and start its all-reduce."""
         p = len(members)
         wire = dtype if dtype is not None and payload.tensors[0].is_floating_point() else None
-        flat = payload.build(wire, float(p) if average else None)
+        flat = payload.build(wire, float(p) if average else None,
+                             count_lost=self._counts_losses(stage))
         n = flat.numel()
         self._record(stage, "all_reduce", flat, n, members, 2 * (p - 1) * n // p)
         return self.transport.all_reduce(flat, op, members)
@@ -426,7 +430,8 @@ class Communicator:
         works: list[Work] = []
         for payload in payloads:
             wire = dtype if dtype is not None and payload.tensors[0].is_floating_point() else None
-            flat = payload.build(wire, None, own=src == self.rank)
+            flat = payload.build(wire, None,
+                                 count_lost=src == self.rank and self._counts_losses(stage))
             n = flat.numel()
             self._record(stage, "broadcast", flat, n, members, 0 if src == self.rank else n)
             works += self.transport.broadcast(flat, src, members)
@@ -464,7 +469,8 @@ class Communicator:
             return
         payloads = self._segments(segments, members, pack)
         scale = float(len(members)) if average else None
-        inputs = [payload.build(dtype, scale) for payload in payloads]
+        inputs = [payload.build(dtype, scale, count_lost=self._counts_losses(stage))
+                  for payload in payloads]
         mine = members.index(self.rank)
         total = sum(x.numel() for x in inputs)
         self._record(stage, "reduce_scatter", inputs[mine], total, members,
@@ -493,7 +499,8 @@ class Communicator:
             return
         payloads = self._segments(segments, members, False)
         mine = members.index(self.rank)
-        buffers = [payload.build(dtype, None, own=i == mine)
+        buffers = [payload.build(dtype, None,
+                                 count_lost=i == mine and self._counts_losses(stage))
                    for i, payload in enumerate(payloads)]
         total = sum(b.numel() for b in buffers)
         self._record(stage, "all_gather", buffers[mine], total, members,
