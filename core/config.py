@@ -207,6 +207,13 @@ class KFACConfig:
             by triangular solves (same result, about a third of the inversion work, solves
             costing what the products do on wide factors): the cheaper choice for wide
             factors and short ``inv_update_steps`` (docs/benchmarks.md).
+        prediv_eigenvalues: with "eigen", the rank that decomposes a layer's factors also
+            forms ``1/(d_G d_Aᵀ + λ)`` with the damping of that inversion, and keeps and sends
+            it instead of the eigenvalues (KAISA's ``prediv_eigenvalues``, which its
+            ``compute_eigenvalue_outer_product=True`` default turns on). Each step's product
+            skips forming that ``g × a`` matrix; the second-order state, and what comm-opt and
+            hybrid-opt broadcast, grow by ``a·g`` values a layer, and a damping that changes
+            between inversions takes effect at the next one. Needs ``colocate_factors``.
         damping_split: "full" (λ on each factor) or "pi" (trace-norm π split); not for "eigen".
         factor_scaling: "kaisa", "kfc" or "dpkfac" (the code base whose damping values are used).
         kl_clip: KL-clip κ > 0, or None to disable.
@@ -252,6 +259,7 @@ class KFACConfig:
     factor_update_steps: Schedulable[int] = 1
     inv_update_steps: Schedulable[int] = 1
     inverse_method: str = "eigen"
+    prediv_eigenvalues: bool = False
     damping_split: str = "full"
     factor_scaling: str = "kaisa"
     kl_clip: Schedulable[float] | None = 1e-3
@@ -278,6 +286,12 @@ class KFACConfig:
         check_schedulable("factor_update_steps", self.factor_update_steps, low=1, integer=True)
         check_schedulable("inv_update_steps", self.inv_update_steps, low=1, integer=True)
         check_choice("inverse_method", self.inverse_method, INVERSE_METHODS)
+        if not isinstance(self.prediv_eigenvalues, bool):
+            raise ConfigError("prediv_eigenvalues", self.prediv_eigenvalues, "True or False")
+        if self.prediv_eigenvalues and self.inverse_method != "eigen":
+            raise ConfigError("prediv_eigenvalues", True,
+                              f"False with inverse_method={self.inverse_method!r} (only "
+                              "'eigen' has eigenvalues to pre-divide)")
         check_choice("damping_split", self.damping_split, DAMPING_SPLITS)
         if self.inverse_method == "eigen" and self.damping_split != "full":
             raise ConfigError(
@@ -312,6 +326,11 @@ class KFACConfig:
             raise ConfigError("colocate_factors", False,
                               f"True with strategy={self.strategy!r} (its owner preconditions "
                               "with both factors)")
+        if not self.colocate_factors and self.prediv_eigenvalues:
+            raise ConfigError("colocate_factors", False,
+                              "True with prediv_eigenvalues=True (the pre-divided ratios need "
+                              "both factors' eigenvalues on one rank; or set "
+                              "prediv_eigenvalues=False)")
         check_number("accumulation_steps", self.accumulation_steps, low=1, integer=True)
         check_choice("factor_dtype", self.factor_dtype, ("float32", "float64"))
         check_choice("inverse_dtype", self.inverse_dtype, ("float32", "float64"))
@@ -338,6 +357,13 @@ class KFACConfig:
     def state_dtype(self) -> torch.dtype:
         """The dtype second-order states are stored, sent and applied in."""
         return getattr(torch, self.precondition_dtype or self.inverse_dtype)
+
+    @property
+    def state_method(self) -> str:
+        """The kind of second-order state a layer keeps (a key of
+        :data:`core.inverse.STATE_TYPES`): ``inverse_method``, or ``"eigen_prediv"`` for
+        ``eigen`` with ``prediv_eigenvalues``."""
+        return "eigen_prediv" if self.prediv_eigenvalues else self.inverse_method
 
     @property
     def canonical_strategy(self) -> str:

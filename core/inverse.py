@@ -4,6 +4,8 @@ Four methods (KFAC_MATH.md "Inversion and damping"):
 
 * ``eigen``: ``P = Q_G [(Q_Gᵀ ∇W̄ Q_A) ⊘ (d_G d_Aᵀ + λ)] Q_Aᵀ = (G ⊗ A + λI)⁻¹ vec ∇W̄``;
   the damping enters at preconditioning time, so it can change without a new decomposition.
+  With pre-divided eigenvalues (KAISA's default) the decomposing rank keeps
+  ``1/(d_G d_Aᵀ + λ)`` instead of ``d_A`` and ``d_G``, with the damping of that inversion.
 * ``inverse`` / ``cholesky``: ``P = (G + λ_G I)⁻¹ ∇W̄ (A + λ_A I)⁻¹`` with the damping split
   ``full`` (``λ_A = λ_G = λ``) or ``pi`` (``λ_A = π√λ``, ``λ_G = √λ/π``).
 * ``cholesky_solve``: the same ``P``, from the Cholesky factors ``L`` of the damped factors by
@@ -74,29 +76,37 @@ def all_finite(tensors: Sequence[Tensor], reductions: Sequence[Tensor] | None = 
 
 
 class _SidedState:
-    """Tensors listed ``A`` side first, then ``G`` side, in equal numbers.
+    """Tensors listed ``A`` side first, then ``G`` side (in equal numbers unless
+    :attr:`a_side_count` says otherwise).
 
     Attributes:
         symmetric: Whether every tensor is a symmetric matrix (may travel as an upper triangle).
         kind: The name that :func:`make_state` rebuilds the state from (saved in checkpoints).
+        a_side_count: How many of the tensors describe ``A``; None: half of them.
     """
 
     symmetric: ClassVar[bool]
     kind: ClassVar[str]
+    a_side_count: ClassVar[int | None] = None
 
     def tensors(self) -> list[Tensor]:
         raise NotImplementedError
 
+    @classmethod
+    def shapes(cls, a_dim: int, g_dim: int) -> list[tuple[int, ...]]:
+        """The shapes of :meth:`tensors` for factors of dimensions ``a_dim`` and ``g_dim``."""
+        raise NotImplementedError
+
+    def _split(self, items: list, side: str) -> list:
+        count = len(items) // 2 if self.a_side_count is None else self.a_side_count
+        return items[:count] if side == "a" else items[count:]
+
     def side_tensors(self, side: str) -> list[Tensor]:
         """The tensors describing factor ``side`` (``"a"`` or ``"g"``)."""
-        tensors = self.tensors()
-        half = len(tensors) // 2
-        return tensors[:half] if side == "a" else tensors[half:]
+        return self._split(self.tensors(), side)
 
     def _side_fields(self, side: str) -> list[str]:
-        names = [f.name for f in fields(self)]  # type: ignore[arg-type]
-        half = len(names) // 2
-        return names[:half] if side == "a" else names[half:]
+        return self._split([f.name for f in fields(self)], side)  # type: ignore[arg-type]
 
     def side_dtype(self, side: str) -> torch.dtype:
         """The dtype factor ``side``'s tensors are kept in (both sides may differ: see
@@ -156,6 +166,37 @@ class EigenState(_SidedState):
     def tensors(self) -> list[Tensor]:
         return [self.qa, self.da, self.qg, self.dg]
 
+    @classmethod
+    def shapes(cls, a_dim: int, g_dim: int) -> list[tuple[int, ...]]:
+        return [(a_dim, a_dim), (a_dim,), (g_dim, g_dim), (g_dim,)]
+
+
+@dataclass
+class PredividedEigenState(_SidedState):
+    """Eigenbases of ``A`` and ``G`` and the damped reciprocal eigenvalue products
+    ``1/(d_G d_Aᵀ + λ)`` (``g × a``), with the damping of the inversion that made them:
+    KAISA's ``prediv_eigenvalues``, its default. Each step's product saves forming and dividing
+    by ``d_G d_Aᵀ + λ``; the state holds and sends ``a·g`` more values than :class:`EigenState`,
+    and a damping changed between inversions takes effect at the next one.
+
+    The ratios need both factors' eigenvalues, so both are decomposed on one rank; they travel
+    with ``G``'s side (``A``'s side is its eigenbasis alone).
+    """
+
+    qa: Tensor
+    qg: Tensor
+    dgda: Tensor
+    symmetric: ClassVar[bool] = False
+    kind: ClassVar[str] = "eigen_prediv"
+    a_side_count: ClassVar[int | None] = 1
+
+    def tensors(self) -> list[Tensor]:
+        return [self.qa, self.qg, self.dgda]
+
+    @classmethod
+    def shapes(cls, a_dim: int, g_dim: int) -> list[tuple[int, ...]]:
+        return [(a_dim, a_dim), (g_dim, g_dim), (g_dim, a_dim)]
+
 
 @dataclass
 class InverseState(_SidedState):
@@ -168,6 +209,10 @@ class InverseState(_SidedState):
 
     def tensors(self) -> list[Tensor]:
         return [self.a_inv, self.g_inv]
+
+    @classmethod
+    def shapes(cls, a_dim: int, g_dim: int) -> list[tuple[int, ...]]:
+        return [(a_dim, a_dim), (g_dim, g_dim)]
 
 
 @dataclass
@@ -186,13 +231,18 @@ class CholeskyState(_SidedState):
     def tensors(self) -> list[Tensor]:
         return [self.a_chol, self.g_chol]
 
+    @classmethod
+    def shapes(cls, a_dim: int, g_dim: int) -> list[tuple[int, ...]]:
+        return [(a_dim, a_dim), (g_dim, g_dim)]
 
-SecondOrderState = EigenState | InverseState | CholeskyState
 
-#: The state class of each inverse method (``inverse`` and ``cholesky`` share theirs).
+SecondOrderState = EigenState | PredividedEigenState | InverseState | CholeskyState
+
+#: The state class of each inverse method (``inverse`` and ``cholesky`` share theirs), and of
+#: ``eigen`` with pre-divided eigenvalues (:attr:`core.config.KFACConfig.state_method`).
 STATE_TYPES: dict[str, type[SecondOrderState]] = {
-    "eigen": EigenState, "inverse": InverseState, "cholesky": InverseState,
-    "cholesky_solve": CholeskyState,
+    "eigen": EigenState, "eigen_prediv": PredividedEigenState, "inverse": InverseState,
+    "cholesky": InverseState, "cholesky_solve": CholeskyState,
 }
 
 
@@ -455,6 +505,15 @@ def compute_sides(a: Tensor, g: Tensor, *, method: str, damping: float, split: s
     return {side: (damped(side),) for side in sides}
 
 
+def predivided(parts: dict[str, tuple[Tensor, ...]], damping: float
+               ) -> dict[str, tuple[Tensor, ...]]:
+    """Both factors' eigen decompositions (:func:`compute_sides` of ``eigen``) as the sides of
+    a :class:`PredividedEigenState`: ``A``'s eigenbasis, and ``G``'s with ``1/(d_G d_Aᵀ + λ)``
+    in the decompositions' dtype."""
+    (qa, da), (qg, dg) = parts["a"], parts["g"]
+    return {"a": (qa,), "g": (qg, torch.outer(dg, da).add_(damping).reciprocal_())}
+
+
 def _a_side_first(a: Tensor, g: Tensor) -> bool:
     """Whether ``A``'s state is kept wider than ``G``'s, so its product goes first."""
     return a.element_size() > g.element_size()
@@ -467,7 +526,9 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
     sides' dtypes may differ (:func:`kept_dtype`); then the wider side multiplies first, on
     the unrounded gradient: a factor kept wide because rounding noise in its operand would be
     amplified must not receive the narrow side's rounded output. The result is in the dtype
-    of the side applied last (the caller casts it).
+    of the side applied last (the caller casts it). ``damping`` is the one in force for
+    ``eigen``; a :class:`PredividedEigenState` holds the damping of its inversion instead, and
+    the inverse states theirs.
     """
     if isinstance(state, CholeskyState):
         # P = L_G⁻ᵀ L_G⁻¹ ∇W̄ L_A⁻ᵀ L_A⁻¹, four triangular solves in a row-major copy of ∇W̄:
@@ -487,14 +548,17 @@ def precondition(grad: Tensor, state: SecondOrderState, damping: float) -> Tenso
             return solve_g(solve_from_right(p, a_chol))
         p = grad.to(g_chol.dtype, memory_format=torch.contiguous_format, copy=True)
         return solve_from_right(solve_g(p), a_chol)
-    if isinstance(state, EigenState):
+    if isinstance(state, EigenState | PredividedEigenState):
         qg, qa = state.qg, state.qa
         if _a_side_first(qa, qg):
             rotated = qg.T @ (grad.to(qa.dtype) @ qa).to(qg.dtype)
         else:
             rotated = (qg.T @ grad.to(qg.dtype)).to(qa.dtype) @ qa
-        rotated /= torch.outer(state.dg.to(rotated.dtype), state.da.to(rotated.dtype)
-                               ).add_(damping)
+        if isinstance(state, PredividedEigenState):
+            rotated *= state.dgda.to(rotated.dtype)  # damped at the inversion
+        else:
+            rotated /= torch.outer(state.dg.to(rotated.dtype), state.da.to(rotated.dtype)
+                                   ).add_(damping)
         return (qg @ rotated.to(qg.dtype)).to(qa.dtype) @ qa.T
     return inverse_product(grad, state.g_inv, state.a_inv)
 

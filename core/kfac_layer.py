@@ -19,6 +19,7 @@ from core.conv_gram import Plan, ShiftedPatches
 from core.factors import SymmetricGram, a_scale, add_a_rows, add_g_rows, gram_diagonal_checks
 from core.inverse import (
     SIDES,
+    STATE_TYPES,
     DecompositionError,
     SecondOrderState,
     all_finite,
@@ -27,6 +28,7 @@ from core.inverse import (
     kept_dtype,
     make_state,
     precondition,
+    predivided,
 )
 from core.layer_base import PreconditionedLayer, cloned, nbytes, restored
 from core.layers import LayerHelper, Rows
@@ -238,42 +240,57 @@ class KFACLayer(PreconditionedLayer):
                         tolerance: float | None = None) -> None:
         """Recompute the second-order state of ``sides``; on failure keep the last good one.
 
-        The decomposition runs in ``dtype`` and is kept in ``state_dtype`` (default ``dtype``;
-        a narrower one rounds it once, here), except a side whose rounding would move its
-        product with this step's gradient ``grad`` by more than ``tolerance``
-        (:func:`~core.inverse.kept_dtype`), which stays in ``dtype`` until its next
-        inversion; so does one whose rounding leaves the narrower dtype's range (entries
-        beyond it would round to infinities), with or without a tolerance. A distributed
-        strategy may ask for one side only (the factors of a layer inverted on different
-        ranks); the other side's tensors then stay as they are until they arrive.
+        ``method`` is a key of :data:`~core.inverse.STATE_TYPES` (``eigen_prediv``: both
+        sides' eigendecompositions, kept as :func:`~core.inverse.predivided` ratios, which
+        needs both ``sides``). The decomposition runs in ``dtype`` and is kept in
+        ``state_dtype`` (default ``dtype``; a narrower one rounds it once, here), except a side
+        whose rounding would move its product with this step's gradient ``grad`` by more than
+        ``tolerance`` (:func:`~core.inverse.kept_dtype`; for ``eigen_prediv``, tried as
+        ``eigen`` applies the side: the ratios round by 2⁻⁸ relative each, which no product
+        amplifies), which stays in ``dtype`` until its next inversion; so does one whose
+        rounding leaves the narrower dtype's range (entries beyond it would round to
+        infinities), with or without a tolerance. A distributed strategy may ask for one side
+        only (the factors of a layer inverted on different ranks); the other side's tensors
+        then stay as they are until they arrive.
         """
         if not sides or not self.has_factors:
             return
         assert self.a.value is not None and self.g.value is not None
+        prediv = method == "eigen_prediv"
+        decomposition = "eigen" if prediv else method
+        assert not prediv or set(sides) == set(SIDES), "pre-divided ratios need both sides"
         try:
-            parts = compute_sides(self.a.value, self.g.value, method=method, damping=damping,
-                                  split=split, dtype=dtype, sides=sides)
+            decomposed = compute_sides(self.a.value, self.g.value, method=decomposition,
+                                       damping=damping, split=split, dtype=dtype, sides=sides)
         except DecompositionError as err:
             self.decomposition_failures += 1
             fallback = "keeping the last good inverse" if self.has_state else "left first-order"
             warnings.warn(f"{self.name}: {err}; {fallback} "
                           f"({self.decomposition_failures} failures so far)", stacklevel=2)
             return
+        parts = predivided(decomposed, damping) if prediv else decomposed
         narrow = state_dtype or dtype
         if self.state is None:
             self.state = self.empty_state(method, narrow, self.a.value.device)
         checked = tolerance is not None and grad is not None
-        shifts = (self._effective_shifts(parts, method, damping, split)
+        shifts = (self._effective_shifts(decomposed, decomposition, damping, split)
                   if checked and narrow != dtype else {})
         for side, values in parts.items():
             if narrow == dtype:
                 self.state.set_side(side, values, narrow)
                 continue
-            rounded = self.state.rounded_side(side, values, narrow)
+            if prediv:  # tried as eigen, on the eigenvalues the ratios came from
+                rounded = [t.to(narrow) for t in values]
+                probe, probe_kind, probe_rounded = decomposed[side], decomposition, None
+            else:
+                rounded = self.state.rounded_side(side, values, narrow)
+                probe, probe_kind, probe_rounded = values, self.state.kind, rounded
             if checked:
                 assert grad is not None and tolerance is not None
-                kept = kept_dtype(values, self.state.kind, shifts[side], grad, side, narrow,
-                                  tolerance, rounded)
+                kept = kept_dtype(probe, probe_kind, shifts[side], grad, side, narrow,
+                                  tolerance, probe_rounded)
+                if kept == narrow and prediv and not all_finite(rounded):
+                    kept = dtype
             else:  # without the tolerance, a rounding out of range is still caught
                 kept = narrow if all_finite(rounded) else dtype
             self.state.set_side(side, rounded if kept == narrow else values, kept)
@@ -309,14 +326,9 @@ class KFACLayer(PreconditionedLayer):
     def empty_state(self, method: str, dtype: torch.dtype, device: torch.device
                     ) -> SecondOrderState:
         """A zero state of the right shapes, for receiving a broadcast from the owner."""
-        a, g = self.a_dim, self.g_dim
-
-        def z(*shape: int) -> Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        if method == "eigen":
-            return make_state(method, [z(a, a), z(a), z(g, g), z(g)])
-        return make_state(method, [z(a, a), z(g, g)])
+        return make_state(method, [torch.zeros(shape, dtype=dtype, device=device)
+                                   for shape in STATE_TYPES[method].shapes(self.a_dim,
+                                                                           self.g_dim)])
 
     def precondition(self, grad: Tensor, damping: float) -> Tensor | None:
         """``P`` for the current gradient matrix, or None without a second-order state."""

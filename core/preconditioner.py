@@ -158,7 +158,7 @@ class KFACPreconditioner:
         if not self.layers:
             warnings.warn("KFACPreconditioner found no supported layers (Linear, Conv2d) in the "
                           "model; step() leaves every gradient first-order", stacklevel=2)
-        self.strategy.setup(self.layers, method=self.config.inverse_method,
+        self.strategy.setup(self.layers, method=self.config.state_method,
                             dtype=self.inverse_dtype)
         self.strategy.set_step(0)
         self._capturing = self._factor_update_due(0)
@@ -339,7 +339,7 @@ class KFACPreconditioner:
             if self._enabled("inversion"):
                 with timer.stage("inversion"):
                     for layer in self._widest_first:
-                        layer.compute_inverse(method=cfg.inverse_method, damping=damping,
+                        layer.compute_inverse(method=cfg.state_method, damping=damping,
                                               split=cfg.damping_split, dtype=self.inverse_dtype,
                                               state_dtype=self.state_dtype,
                                               sides=strategy.inverse_sides(layer),
@@ -591,11 +591,13 @@ class KFACPreconditioner:
         check_saved_layers(self.layers, state["layers"])
         # Same-shaped states of another method (inverses vs Cholesky factors) would be
         # silently misread, so the saved kind must be this method's.
-        kind = STATE_TYPES[self.config.inverse_method].kind
+        kind = STATE_TYPES[self.config.state_method].kind
         saved_kinds = {s["state_kind"] for s in state["layers"].values()} - {None, kind}
         if saved_kinds:
             raise ValueError(f"preconditioner state holds {sorted(saved_kinds)} states, "
-                             f"inverse_method={self.config.inverse_method!r} needs {kind!r}")
+                             f"inverse_method={self.config.inverse_method!r} with "
+                             f"prediv_eigenvalues={self.config.prediv_eigenvalues} needs "
+                             f"{kind!r}: resume with the settings it was saved under")
         # Saved under this run's state dtype, every side stays as it was kept (wider where
         # precondition_dtype_tolerance chose so); saved under another one, every side is
         # converted to this run's, and the next inversion chooses again.

@@ -170,7 +170,7 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
     layers = build_layers(model, config, lambda: 1.0)
     factor_dtype = getattr(torch, config.factor_dtype)
     inverse_dtype = getattr(torch, config.inverse_dtype)
-    strategy.setup(layers, method=config.inverse_method, dtype=inverse_dtype)
+    strategy.setup(layers, method=config.state_method, dtype=inverse_dtype)
     grads = [SimpleNamespace(grad=torch.empty_like(p)) for p in model.parameters()
              if p.requires_grad]
     captured = 0
@@ -192,7 +192,7 @@ def _simulate_rank(model: nn.Module, config: KFACConfig, rank: int, world_size: 
                 finish_factors = None
                 _keep_factors(layers)
         if inverting:
-            _invert(strategy, layers, config.inverse_method, config.state_dtype)
+            _invert(strategy, layers, config.state_method, config.state_dtype)
             strategy.communicate_inverses(layers)
         preconditioned = {
             layer.name: torch.empty(layer.g_dim, layer.a_dim, dtype=inverse_dtype, device=META)

@@ -16,6 +16,7 @@ from core.inverse import (
     RESCALE_EXPONENT,
     CholeskyState,
     DecompositionError,
+    PredividedEigenState,
     _damped,
     all_finite,
     damped_cholesky,
@@ -59,6 +60,78 @@ def test_eigen_equals_inverse_of_kronecker_plus_damping() -> None:
         expected = dense_eigen_precondition(raw[layer.name], layer.a.value, layer.g.value,
                                             damping)
         torch.testing.assert_close(new[layer.name], expected)
+
+
+def test_predivided_eigenvalues_give_the_eigen_product_from_the_damped_ratios() -> None:
+    """KAISA's pre-divided eigenvalues: the same ``P`` as ``eigen``, from a state of both
+    eigenbases and ``1/(d_G d_Aᵀ + λ)`` (no eigenvalue vectors), closed form in float64."""
+    torch.manual_seed(0)
+    damping = 0.05
+    precond, raw, new = one_step(small_cnn(), torch.randn(5, 2, 6, 6, dtype=torch.float64),
+                                 damping=damping, inverse_method="eigen",
+                                 prediv_eigenvalues=True, kl_clip=None)
+    for layer in precond.layers:
+        state = layer.state
+        assert isinstance(state, PredividedEigenState)
+        a, g = layer.a.value, layer.g.value
+        da, dg = (torch.linalg.eigvalsh(f).clamp_min(0) for f in (a, g))
+        torch.testing.assert_close(state.dgda, 1 / (torch.outer(dg, da) + damping))
+        assert [tuple(t.shape) for t in state.side_tensors("a")] == [(layer.a_dim,) * 2]
+        assert [tuple(t.shape) for t in state.side_tensors("g")] == [
+            (layer.g_dim,) * 2, (layer.g_dim, layer.a_dim)]
+        torch.testing.assert_close(
+            new[layer.name], dense_eigen_precondition(raw[layer.name], a, g, damping))
+
+
+def test_predivided_eigenvalues_keep_the_damping_of_their_inversion() -> None:
+    """A damping scheduled to change between inversions reaches ``eigen``'s product at once
+    and the pre-divided one at the next inversion (as in KAISA)."""
+    torch.manual_seed(1)
+    x = [torch.randn(5, 2, 6, 6, dtype=torch.float64) for _ in range(2)]
+    dampings = {0: 0.05, 1: 0.5}
+    written = {}
+    for prediv in (False, True):
+        model = small_cnn()
+        precond = KFACPreconditioner(model, factor_dtype="float64", inverse_dtype="float64",
+                                     damping=lambda step: dampings[step], kl_clip=None,
+                                     factor_update_steps=10, inv_update_steps=10,
+                                     prediv_eigenvalues=prediv)
+        for batch in x:
+            model.zero_grad()
+            model(batch).pow(2).mean().backward()
+            raw = {layer.name: layer.helper.grad_matrix().clone() for layer in precond.layers}
+            precond.step()
+        written[prediv] = {layer.name: layer.helper.grad_matrix() for layer in precond.layers}
+        for layer in precond.layers:
+            damping = dampings[0] if prediv else dampings[1]
+            torch.testing.assert_close(written[prediv][layer.name], dense_eigen_precondition(
+                raw[layer.name], layer.a.value, layer.g.value, damping))
+    assert not torch.allclose(written[False]["0"], written[True]["0"])
+
+
+def test_predivided_eigenvalues_hold_the_ratios_instead_of_the_eigenvalues() -> None:
+    """State bytes: ``a² + g² + a·g`` per layer instead of ``a² + g² + a + g``."""
+    torch.manual_seed(2)
+    x = torch.randn(4, 2, 6, 6)
+    usage = {}
+    for prediv in (False, True):
+        model = small_cnn().float()
+        precond = KFACPreconditioner(model, prediv_eigenvalues=prediv)
+        model(x).pow(2).mean().backward()
+        precond.step()
+        usage[prediv] = precond.memory_usage()["inverses"]
+        dims = [(layer.a_dim, layer.g_dim) for layer in precond.layers]
+    assert usage[False] == 4 * sum(a * a + g * g + a + g for a, g in dims)
+    assert usage[True] == 4 * sum(a * a + g * g + a * g for a, g in dims)
+
+
+def test_predivided_eigenvalues_need_eigen_and_colocated_factors() -> None:
+    with pytest.raises(ConfigError, match="prediv_eigenvalues.*only 'eigen'"):
+        KFACPreconditioner(small_cnn(), inverse_method="inverse", prediv_eigenvalues=True)
+    with pytest.raises(ConfigError, match="colocate_factors.*both factors' eigenvalues"):
+        KFACPreconditioner(small_cnn(), prediv_eigenvalues=True, colocate_factors=False)
+    with pytest.raises(ConfigError, match="prediv_eigenvalues"):
+        KFACPreconditioner(small_cnn(), prediv_eigenvalues="yes")
 
 
 @pytest.mark.parametrize("method", ["inverse", "cholesky", "cholesky_solve"])
@@ -313,7 +386,7 @@ def test_cholesky_solve_failures_raise_decomposition_error() -> None:
 BF16_U = 2.0**-8
 
 
-@pytest.mark.parametrize("method", ["inverse", "cholesky", "eigen"])
+@pytest.mark.parametrize("method", ["inverse", "cholesky", "eigen", "eigen_prediv"])
 def test_bf16_state_stays_within_the_rounding_bound_of_the_dense_formula(method: str) -> None:
     """Each rounding (gradient, state entries, each product's output) moves an entry by at
     most ``u`` relative, so ``|P̂ − P|`` is at most a few ``u`` times the product of the
@@ -323,14 +396,16 @@ def test_bf16_state_stays_within_the_rounding_bound_of_the_dense_formula(method:
     model = small_cnn()
     damping = 0.01
     precond, raw, new = one_step(model, torch.randn(4, 2, 6, 6, dtype=torch.float64),
-                                 damping=damping, inverse_method=method, kl_clip=None,
+                                 damping=damping, inverse_method=method.split("_")[0],
+                                 prediv_eigenvalues=method == "eigen_prediv", kl_clip=None,
                                  precondition_dtype="bfloat16",
                                  precondition_dtype_tolerance=None)
     for layer in precond.layers:
+        assert layer.state.kind == method.replace("cholesky", "inverse")
         assert all(t.dtype == torch.bfloat16 for t in layer.state.tensors())
         assert new[layer.name].dtype == torch.float64
         a, g, grad = layer.a.value, layer.g.value, raw[layer.name]
-        if method == "eigen":
+        if method.startswith("eigen"):
             da, qa = torch.linalg.eigh(a)
             dg, qg = torch.linalg.eigh(g)
             scale = torch.outer(dg.clamp_min(0), da.clamp_min(0)) + damping

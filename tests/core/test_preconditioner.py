@@ -174,12 +174,13 @@ def train_steps(model: nn.Module, precond: KFACPreconditioner, opt: torch.optim.
         opt.step()
 
 
-@pytest.mark.parametrize("method", ["eigen", "cholesky", "cholesky_solve"])
+@pytest.mark.parametrize("method", ["eigen", "eigen_prediv", "cholesky", "cholesky_solve"])
 def test_state_dict_round_trip_gives_bit_identical_next_gradients(method: str) -> None:
     torch.manual_seed(5)
     batches = [(torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64))
                for _ in range(4)]
-    options = dict(inverse_method=method, factor_update_steps=1, inv_update_steps=2)
+    options = dict(inverse_method=method.split("_")[0], factor_update_steps=1,
+                   inv_update_steps=2, prediv_eigenvalues=method == "eigen_prediv")
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     precond = KFACPreconditioner(model, **options)
@@ -209,6 +210,20 @@ def test_load_state_dict_rejects_a_state_of_another_inverse_method(saved: str,
     with pytest.raises(ValueError, match=f"inverse_method='{loaded}'"):
         KFACPreconditioner(mlp(), inverse_method=loaded).load_state_dict(precond.state_dict())
     KFACPreconditioner(mlp(), inverse_method=saved).load_state_dict(precond.state_dict())
+
+
+@pytest.mark.parametrize("prediv", [False, True])
+def test_load_state_dict_rejects_eigenvalues_pre_divided_or_not(prediv: bool) -> None:
+    """A state saved with pre-divided eigenvalues holds no eigenvalue vectors (and the other
+    way round): the error names the setting to resume with."""
+    model = mlp()
+    precond = KFACPreconditioner(model, prediv_eigenvalues=prediv)
+    backward(model, torch.randn(6, 4, dtype=torch.float64),
+             torch.randn(6, 3, dtype=torch.float64))
+    precond.step()
+    with pytest.raises(ValueError, match=f"prediv_eigenvalues={not prediv} needs .*saved under"):
+        KFACPreconditioner(mlp(), prediv_eigenvalues=not prediv).load_state_dict(
+            precond.state_dict())
 
 
 def test_load_state_dict_rejects_another_model() -> None:

@@ -299,10 +299,11 @@ def test_set_side_takes_over_a_fresh_rounding_of_another_dtype() -> None:
     assert state.side_dtype("g") == torch.float32 and state.side_tensors("g")[0].is_contiguous()
 
 
+@pytest.mark.parametrize("prediv", [False, True])
 @pytest.mark.parametrize(("scaling", "x_scale", "damping"), [("kaisa", 3.0, 1e-3),
                                                              ("kfc", 10.0, 1e-2)])
 def test_the_eigen_rounding_check_damps_each_side_as_the_product_does(
-        scaling: str, x_scale: float, damping: float) -> None:
+        scaling: str, x_scale: float, damping: float, prediv: bool) -> None:
     """The eigen product divides by ``d_G d_Aᵀ + λ``: a side is damped by ``λ / d`` of the
     other side's eigenvalue, not ``λ``. Checked with ``λ``, a bf16 ``G`` passed next to a
     large ``A`` and the written gradient moved by 16% and 120% (tolerance 5%); now it stays
@@ -313,10 +314,30 @@ def test_the_eigen_rounding_check_damps_each_side_as_the_product_does(
         layer = nn.Linear(256, 10)
         precond = KFACPreconditioner(layer, damping=damping, kl_clip=None,
                                      inverse_method="eigen", factor_scaling=scaling,
-                                     precondition_dtype=dtype)
+                                     precondition_dtype=dtype, prediv_eigenvalues=prediv)
         x = torch.randn(8, 256) * x_scale
         F.cross_entropy(layer(x), torch.randint(0, 10, (8,))).backward()
         precond.step()
         written[dtype] = torch.cat([layer.weight.grad, layer.bias.grad.unsqueeze(1)], dim=1)
     error = (written["bfloat16"] - written[None]).norm() / written[None].norm()
     assert error <= 0.1
+
+
+def test_pre_divided_eigenvalues_keep_wide_the_sides_eigen_keeps_wide() -> None:
+    """The rounding check of a pre-divided state tries each side as ``eigen`` applies it, so
+    both keep the same sides in fp32 (the classifier's rank-deficient ones here) and write
+    gradients equal to within the bf16 rounding of the ratios."""
+    kept, written = {}, {}
+    for prediv in (False, True):
+        model = rank_deficient_classifier()
+        precond = KFACPreconditioner(model, damping=1e-4, kl_clip=None,
+                                     precondition_dtype="bfloat16", prediv_eigenvalues=prediv)
+        x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+        nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 0])).backward()
+        precond.step()
+        kept[prediv] = {layer.name: [layer.state.side_dtype(s)  # type: ignore[union-attr]
+                                     for s in SIDES] for layer in precond.layers}
+        written[prediv] = model[3].weight.grad
+    assert kept[True] == kept[False]
+    assert torch.float32 in kept[True]["3"] and torch.bfloat16 in kept[True]["0"]
+    assert relative(written[True], written[False]) < 2**-6

@@ -34,6 +34,10 @@ P4_CONFIGS: dict[str, dict[str, Any]] = {
     "hybrid-opt-split": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5,
                          "colocate_factors": False},
     "mem-opt": {"strategy": "mem-opt"},
+    # KAISA's default: A's eigenbasis, then G's with the g x a ratios, from one source.
+    "comm-opt-prediv": {"strategy": "comm-opt", "prediv_eigenvalues": True},
+    "hybrid-opt-prediv": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5,
+                          "prediv_eigenvalues": True},
     "mpd-kfac-round-robin": {"strategy": "mpd-kfac", "assignment": "round-robin"},
     "osawa": {"strategy": "osawa", "symmetry_aware": True, "assignment": "contiguous"},
     "dp-kfac": {"strategy": "dp-kfac", "kl_clip": None},
@@ -86,6 +90,7 @@ P2_CONFIGS: dict[str, dict[str, Any]] = {
                               "inverse_dtype": "float64"},
     "dp-kfac-solve": {"strategy": "dp-kfac", "inverse_method": "cholesky_solve",
                       "kl_clip": None},
+    "comm-opt-prediv": {"strategy": "comm-opt", "prediv_eigenvalues": True},
     # A tight tolerance keeps fc1's A side fp32 at every inversion: a checkpoint then holds
     # sides of two dtypes.
     "comm-opt-bf16-guarded": {"strategy": "comm-opt", "inverse_method": "inverse",
@@ -98,7 +103,7 @@ P2_CONFIGS: dict[str, dict[str, Any]] = {
 }
 ROUND_TRIPS = {name: P2_CONFIGS[name]
                for name in ("comm-opt", "mem-opt", "osawa", "dp-kfac", "comm-opt-solve-packed",
-                            "comm-opt-bf16-guarded")}
+                            "comm-opt-bf16-guarded", "comm-opt-prediv")}
 
 FP32_TOLERANCE = 1e-4
 FP16_WIRE_TOLERANCE = 2e-2
@@ -191,6 +196,7 @@ def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, i
     state_wire = (options.get("comm_dtype") or options.get("precondition_dtype")
                   or options.get("inverse_dtype", "float32"))
     method = options.get("inverse_method", "eigen")
+    prediv = options.get("prediv_eigenvalues", False)
     dims = {name: LAYER_DIMS[name] for name, _, _ in rows}
     place = {name: (a_rank, g_rank) for name, a_rank, g_rank in rows}
     out: dict[tuple[int, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
@@ -202,7 +208,10 @@ def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, i
     def factor_size(n: int) -> int:
         return _tri(n) if pack else n * n
 
-    def state_size(n: int) -> int:
+    def state_size(side: str, a: int, g: int) -> int:
+        n = a if side == "a" else g
+        if prediv:  # Q_A; Q_G and 1/(d_G d_Aᵀ + λ)
+            return n * n + (g * a if side == "g" else 0)
         return n * n + n if method == "eigen" else (_tri(n) if pack else n * n)
 
     def column(name: str) -> tuple[int, ...]:
@@ -227,12 +236,13 @@ def _expected_ledger(options: dict[str, Any], rank: int, rows: list[tuple[str, i
             if strategy in ("comm-opt", "hybrid-opt"):
                 for name, (a, g) in dims.items():
                     if rank in column(name):
-                        for i, (side_rank, n) in enumerate(zip(place[name], (a, g),
-                                                               strict=True)):
+                        for i, (side_rank, side) in enumerate(zip(place[name], ("a", "g"),
+                                                                  strict=True)):
                             dtype = (state_wire if state_dtypes is None
                                      else state_dtypes[step][name][i])
-                            add(step, "inverse_comm", "broadcast", dtype, state_size(n),
-                                0 if side_rank == rank else state_size(n))
+                            n = state_size(side, a, g)
+                            add(step, "inverse_comm", "broadcast", dtype, n,
+                                0 if side_rank == rank else n)
         if strategy in ("mem-opt", "dp-kfac"):
             add(step, "grad_comm", "broadcast", precond_dtype, psi,
                 sum(a * g for name, (a, g) in dims.items() if place[name][0] != rank))
@@ -273,6 +283,7 @@ def test_memory_holds_what_each_rank_should(p4: list[dict[str, Any]], name: str)
     state_size = {"float64": 8, "float32": 4, "bfloat16": 2}[
         options.get("precondition_dtype") or options.get("inverse_dtype", "float32")]
     eigen = options.get("inverse_method", "eigen") == "eigen"
+    prediv = options.get("prediv_eigenvalues", False)
     for rank, result in enumerate(p4):
         run = result["runs"][name]
         place = {layer: (a_rank, g_rank) for layer, a_rank, g_rank in run["assignment"]}
@@ -286,7 +297,8 @@ def test_memory_holds_what_each_rank_should(p4: list[dict[str, Any]], name: str)
                 "hybrid-opt": rank % 2 == a_rank % 2,
             }.get(strategy, a_rank == rank)
             if holds_state:
-                inverses += (a * a + g * g + (a + g if eigen else 0)) * state_size
+                extra = a * g if prediv else a + g if eigen else 0
+                inverses += (a * a + g * g + extra) * state_size
         assert run["memory"]["factors"] == factors, (name, rank)
         assert run["memory"]["inverses"] == inverses, (name, rank)
         assert run["memory"]["total"] == factors + inverses + run["memory"]["buffers"]
