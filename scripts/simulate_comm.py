@@ -9,6 +9,7 @@ ledgers the real strategy code fills. MKOR's row is its rank-1 vector all-reduce
 the same communicator.
 
     python scripts/simulate_comm.py [--world-size 64] [--symmetry-aware] [--comm-dtype float16]
+                                    [--prediv-eigenvalues]
 """
 
 from __future__ import annotations
@@ -111,9 +112,13 @@ def main() -> None:
                         help="send symmetric factors and inverses as upper triangles")
     parser.add_argument("--comm-dtype", choices=("float16", "bfloat16"), default=None,
                         help="wire dtype for factors and inverses (and MKOR's vectors)")
+    parser.add_argument("--prediv-eigenvalues", action="store_true",
+                        help="keep and send 1/(d_G d_Aᵀ + λ) instead of the eigenvalues "
+                        "(KAISA's default)")
     args = parser.parse_args()
     options: dict[str, object] = {"symmetry_aware": args.symmetry_aware,
-                                  "comm_dtype": args.comm_dtype}
+                                  "comm_dtype": args.comm_dtype,
+                                  "prediv_eigenvalues": args.prediv_eigenvalues}
     mkor_dtype = getattr(torch, args.comm_dtype or "float32")
     with exit_on_user_error(parser):  # an f that does not fit the world size
         for title, build in (("ResNet-50", resnet50), ("BERT-Large encoder", bert_large)):

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core import host_kernels
 from reproductions.common.cost import (
     DECOMPOSITION_FLOPS_PER_N3,
     PRECONDITION_GEMM_PAIRS,
@@ -191,8 +192,9 @@ class KernelTimes:
     def describe(self) -> str:
         """How the times were made: machine, threads, load, budget, the fitted law."""
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        model = host_kernels.cpuinfo_field("model name") or "model unknown"
         name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                else f"CPU, {torch.get_num_threads()} thread(s)")
+                else f"CPU ({model}), {torch.get_num_threads()} thread(s)")
         cubic = (f"; above n = {self.budget.direct_dim}, {self.method} time = "
                  f"{self.cubic_coefficient:.3g}·n³ s fitted on n = "
                  f"{', '.join(map(str, self.budget.anchor_dims))}") if self._cubic else ""

@@ -171,7 +171,8 @@ def analyse(work: Workload, world_size: int, method: str, kernels: KernelTimes,
     measured = measure_pass(work, budget.ffbp_batch, kernels.device, reps=budget.reps)
     results = {}
     for scheme in SCHEMES:
-        options = {"inverse_method": method, **scheme.options_for(len(shapes), world_size)}
+        options = {"inverse_method": method,
+                   **scheme.options_for(len(shapes), world_size, method)}
         report = simulate(model, scheme.strategy, world_size, **options)
         traffic = report.per_worker()
         busiest_rank = max(range(world_size), key=lambda r: (traffic[r], -r))

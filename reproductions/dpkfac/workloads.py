@@ -65,15 +65,24 @@ class Scheme:
     note: str = ""
     split_when_more_workers: bool = False
 
-    def options_for(self, layers: int, world_size: int) -> dict[str, Any]:
-        """:attr:`options` for a model of ``layers`` K-FAC layers on ``world_size`` workers."""
-        if not self.split_when_more_workers:
-            return dict(self.options)
-        return {**self.options, "colocate_factors": world_size <= layers}
+    def options_for(self, layers: int, world_size: int, inverse_method: str = "eigen"
+                    ) -> dict[str, Any]:
+        """:attr:`options` for a model of ``layers`` K-FAC layers on ``world_size`` workers
+        decomposing by ``inverse_method`` (pre-divided eigenvalues, KAISA's default, only
+        where that is ``eigen``)."""
+        options = dict(self.options)
+        if inverse_method != "eigen":
+            options.pop("prediv_eigenvalues", None)
+        if self.split_when_more_workers:
+            options["colocate_factors"] = world_size <= layers
+        return options
 
 
 HYBRID_FRACTION = 0.25
 """KAISA HYBRID-OPT's gradient-worker fraction here (16 of 64 workers per layer)."""
+KAISA_OPTIONS: dict[str, Any] = {"prediv_eigenvalues": True}
+"""KAISA's default ``compute_eigenvalue_outer_product=True``: its eigen state holds and sends
+``1/(d_G d_Aᵀ + λ)`` instead of the eigenvalues (PAPERS.md §3.2-3.3)."""
 
 SCHEMES: tuple[Scheme, ...] = (
     Scheme("D-KFAC", "d-kfac", {},
@@ -86,11 +95,13 @@ SCHEMES: tuple[Scheme, ...] = (
            "then its G) is decomposed on rank j mod P, else layer l's two on rank l mod P (its "
            "default `distribute_layer_factors=None`); that rank broadcasts the eigenbases and "
            "eigenvalues to every worker", split_when_more_workers=True),
-    Scheme("KAISA COMM-OPT", "comm-opt", {},
-           "KAISA f = 1: greedy n³ placement, eigen state broadcast to all"),
-    Scheme("KAISA HYBRID-OPT", "hybrid-opt", {"grad_worker_fraction": HYBRID_FRACTION},
-           f"KAISA f = {HYBRID_FRACTION}"),
-    Scheme("KAISA MEM-OPT", "mem-opt", {},
+    Scheme("KAISA COMM-OPT", "comm-opt", KAISA_OPTIONS,
+           "KAISA f = 1: greedy n³ placement, eigenbases and pre-divided eigenvalues "
+           "broadcast to all"),
+    Scheme("KAISA HYBRID-OPT", "hybrid-opt",
+           KAISA_OPTIONS | {"grad_worker_fraction": HYBRID_FRACTION},
+           f"KAISA f = {HYBRID_FRACTION}, pre-divided eigenvalues"),
+    Scheme("KAISA MEM-OPT", "mem-opt", KAISA_OPTIONS,
            "KAISA f = 1/P: greedy n³ placement, preconditioned gradient broadcast"),
     Scheme("DP-KFAC", "dp-kfac", {"assignment": "round-robin"},
            "lzhangbv/kfac_pytorch `eigen_dp`: owner l mod P builds layer l's factors from its "

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.config import KFACConfig
 from reproductions.common.results import RunRecorder
 from reproductions.common.tables import Table, load_tables, tables_destination, write_tables
 from reproductions.dpkfac import tables as dpkfac_tables
@@ -128,6 +129,18 @@ def test_the_eigen_mpd_kfac_places_factors_as_its_code_does_by_default(
     assert eigen.options_for(layers, world_size) == {"assignment": "round-robin",
                                                      "colocate_factors": colocated}
     assert DP_KFAC.options_for(layers, world_size) == DP_KFAC.options
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse", "cholesky"])
+def test_kaisa_schemes_pre_divide_their_eigenvalues_as_kaisa_does_by_default(
+        method: str) -> None:
+    """KAISA's ``compute_eigenvalue_outer_product=True``: on its rows only, and only where the
+    decomposition is ``eigen`` (the other methods have no eigenvalues)."""
+    for scheme in SCHEMES:
+        options = scheme.options_for(54, 64, method)
+        expected = scheme.label.startswith("KAISA") and method == "eigen"
+        assert options.get("prediv_eigenvalues", False) == expected, (scheme.label, method)
+        KFACConfig(strategy=scheme.strategy, inverse_method=method, **options)
 
 
 @pytest.mark.parametrize("argv", [["--quick"], ["--models", "resnet50"], ["--world-size", "8"],
