@@ -80,10 +80,12 @@ CNN_CHOICES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 RESNET50_OPTIONS: dict[str, dict[str, Any]] = {
     # KAISA's ImageNet example defaults, which the MKOR repo's ResNet-50 example keeps
     # (PAPERS.md §3.4): comm-opt, factors every 10 steps, inverses every 100, damping 1e-3,
-    # factor decay 0.95, kl_clip 1e-3, factors reduced in the backward hooks.
+    # factor decay 0.95, kl_clip 1e-3, factors reduced in the backward hooks, eigenvalues
+    # pre-divided (KAISA's compute_eigenvalue_outer_product=True).
     "kfac": {"strategy": "comm-opt", "factor_update_steps": 10, "inv_update_steps": 100,
              "damping": 0.001, "factor_decay": 0.95, "kl_clip": 0.001,
-             "factor_scaling": "kaisa", "inverse_method": "eigen", "factors_in_backward": True},
+             "factor_scaling": "kaisa", "inverse_method": "eigen", "prediv_eigenvalues": True,
+             "factors_in_backward": True},
     # MKOR every 10 steps (PAPERS.md §5.5), fp16 inverse factors and wire (half_precision).
     "mkor": {"inv_update_steps": 10, "stat_decay": 0.95, "update_rule": "exact",
              "inverse_dtype": "float16", "comm_dtype": "float16"},
@@ -194,7 +196,8 @@ def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> T
             "own collectives in one update step on the busiest GPU (the gradient all-reduce "
             "every method shares is left out; LAMB has none else, shown as —); K-FAC's is the "
             "factor all-reduce plus, in mem-opt, the broadcast of the preconditioned gradient "
-            "(comm-opt broadcasts the eigen-decompositions instead, 4/3 as many bytes). The "
+            "(comm-opt broadcasts the eigen-decompositions instead: 5/3 as many bytes with KAISA's "
+            "pre-divided eigenvalues, 4/3 without). The "
             "exponents are hardware-independent for memory and communication; the times are "
             "this CPU's (single process, best of 3) and only their growth with d is comparable "
             "with the paper's column. The paper's computation column counts the update; "

@@ -32,8 +32,10 @@ def test_paper_phase2_settings() -> None:
     assert config.preconditioner["kfac"]["inv_update_steps"] == 50
     # KAISA's default: factors built and all-reduced in the backward hooks (valid options)
     assert KFACConfig(**config.preconditioner["kfac"]).factors_in_backward
-    # KAISA as the official MKOR BERT runner builds it (comm_method=MEM_OPT)
+    # KAISA as the official MKOR BERT runner builds it (comm_method=MEM_OPT, KAISA's default
+    # pre-divided eigenvalues)
     assert config.preconditioner["kfac"]["strategy"] == "mem-opt"
+    assert KFACConfig(**config.preconditioner["kfac"]).state_method == "eigen_prediv"
     assert config.preconditioner["mkor"]["inv_update_steps"] == 10
     assert config.preconditioner["mkor-h"]["inv_update_steps"] == 10
     assert config.accumulation_steps(64) == 64 and config.micro_batch(64) == 8

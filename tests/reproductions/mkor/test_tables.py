@@ -82,10 +82,11 @@ def test_memory_table_has_a_resnet50_half_and_states_the_kaisa_modes() -> None:
     first = col["ours: first-order state (LAMB moments / SGD momentum)"]
     second = col["ours: second-order state"]
     # By hand: SGD's momentum is ResNet-50's 25,557,032 fp32 parameters; KAISA comm-opt holds
-    # factors, eigen-decompositions and buffers of every layer (1,846.5 MB, as DP-KFAC's D2);
-    # MKOR's fp16 inverse factors are 307.7 MB, plus its fp32 rank-1 vectors (0.33 MB).
+    # every layer's factors (Φ = 153,851,562 values), their all-reduce buckets (Φ again) and
+    # eigenbases with pre-divided eigenvalues (Φ + Ψ, Ψ = Σ a·g = 25,503,912): 1,948.2 MB, as
+    # DP-KFAC's D2; MKOR's fp16 inverse factors are 307.7 MB, plus its fp32 rank-1 vectors.
     assert resnet["SGD"][first] * tables.GB == 4 * 25_557_032
-    assert resnet["KAISA"][second] * tables.GB == pytest.approx(1846.5e6, rel=1e-4)
+    assert resnet["KAISA"][second] * tables.GB == 4 * (3 * 153_851_562 + 25_503_912)
     assert 307.7e6 < resnet["MKOR"][second] * tables.GB < 308.1e6
     for row in table.rows:
         total = col["ours: optimizer state GB per GPU"]
