@@ -212,8 +212,10 @@ class KFACConfig:
             it instead of the eigenvalues (KAISA's ``prediv_eigenvalues``, which its
             ``compute_eigenvalue_outer_product=True`` default turns on). Each step's product
             skips forming that ``g × a`` matrix; the second-order state, and what comm-opt and
-            hybrid-opt broadcast, grow by ``a·g`` values a layer, and a damping that changes
-            between inversions takes effect at the next one. Needs ``colocate_factors``.
+            hybrid-opt broadcast, grow by ``a·g − a − g`` values a layer, and a damping that
+            changes between inversions takes effect at the next one. Its ratios reach ``1/λ``:
+            beyond float16's range for λ < 2⁻¹⁶ on a ``comm_dtype="float16"`` wire (use
+            bfloat16). Needs ``colocate_factors``.
         damping_split: "full" (λ on each factor) or "pi" (trace-norm π split); not for "eigen".
         factor_scaling: "kaisa", "kfc" or "dpkfac" (the code base whose damping values are used).
         kl_clip: KL-clip κ > 0, or None to disable.

@@ -176,8 +176,8 @@ class PredividedEigenState(_SidedState):
     """Eigenbases of ``A`` and ``G`` and the damped reciprocal eigenvalue products
     ``1/(d_G d_Aᵀ + λ)`` (``g × a``), with the damping of the inversion that made them:
     KAISA's ``prediv_eigenvalues``, its default. Each step's product saves forming and dividing
-    by ``d_G d_Aᵀ + λ``; the state holds and sends ``a·g`` more values than :class:`EigenState`,
-    and a damping changed between inversions takes effect at the next one.
+    by ``d_G d_Aᵀ + λ``; the state holds and sends ``a·g − a − g`` more values than
+    :class:`EigenState`, and a damping changed between inversions takes effect at the next one.
 
     The ratios need both factors' eigenvalues, so both are decomposed on one rank; they travel
     with ``G``'s side (``A``'s side is its eigenbasis alone).

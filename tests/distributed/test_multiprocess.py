@@ -16,7 +16,7 @@ from core.config import KFACConfig
 from core.distributed import assign, simulate
 from core.distributed.assignment import LayerWork
 from tests.distributed.helpers import LAYER_DIMS, USED_PARAMS, make_model, run_workers
-from tests.distributed.workers import COMMON, STEPS, suite
+from tests.distributed.workers import COMMON, STEPS, rising_damping, suite
 
 pytestmark = pytest.mark.distributed
 
@@ -34,10 +34,12 @@ P4_CONFIGS: dict[str, dict[str, Any]] = {
     "hybrid-opt-split": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5,
                          "colocate_factors": False},
     "mem-opt": {"strategy": "mem-opt"},
-    # KAISA's default: A's eigenbasis, then G's with the g x a ratios, from one source.
-    "comm-opt-prediv": {"strategy": "comm-opt", "prediv_eigenvalues": True},
+    # KAISA's default: A's eigenbasis, then G's with the g x a ratios, from one source; the
+    # damping changes every step, so ratios damped with another step's value would differ.
+    "comm-opt-prediv": {"strategy": "comm-opt", "prediv_eigenvalues": True,
+                        "damping": rising_damping},
     "hybrid-opt-prediv": {"strategy": "hybrid-opt", "grad_worker_fraction": 0.5,
-                          "prediv_eigenvalues": True},
+                          "prediv_eigenvalues": True, "damping": rising_damping},
     "mpd-kfac-round-robin": {"strategy": "mpd-kfac", "assignment": "round-robin"},
     "osawa": {"strategy": "osawa", "symmetry_aware": True, "assignment": "contiguous"},
     "dp-kfac": {"strategy": "dp-kfac", "kl_clip": None},

@@ -22,8 +22,16 @@ COMMON: dict[str, Any] = {"damping": 1e-2, "factor_decay": 0.9, "inv_update_step
 STEPS = 3
 #: Options that change the mathematics (the rest only change who does what).
 MATH_OPTIONS = ("damping", "factor_decay", "inv_update_steps", "kl_clip", "lr",
-                "inverse_method", "damping_split", "factor_scaling", "factor_dtype",
-                "inverse_dtype", "precondition_dtype", "precondition_dtype_tolerance")
+                "inverse_method", "prediv_eigenvalues", "damping_split", "factor_scaling",
+                "factor_dtype", "inverse_dtype", "precondition_dtype",
+                "precondition_dtype_tolerance")
+
+
+def rising_damping(step: int) -> float:
+    """A damping that changes at every step (a module-level function, so spawned workers can
+    receive it): step 1 preconditions with step 0's state, which pre-divided eigenvalues damp
+    with step 0's value and ``eigen`` with step 1's."""
+    return 1e-2 * (1 + step)
 
 Grads = dict[str, Tensor | None]
 
