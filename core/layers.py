@@ -9,6 +9,7 @@ came from, which is all the conventions need.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -186,6 +187,10 @@ class LayerHelper:
         grad = self.weight.grad
         if grad is None:
             return None
+        if sharded(grad):  # sharded after the preconditioner was built
+            raise UnsupportedLayerError(
+                f"a {type(self.module).__name__} layer's gradient is sharded (DTensor, from "
+                f"FSDP's fully_shard or tensor parallelism); {SHARDED_FIX}")
         weight = grad.reshape(self.g_dim, -1)
         if not self.has_bias:
             return weight, None
@@ -466,6 +471,30 @@ def refuse_lazy(name: str, module: nn.Module) -> None:
             "preconditioner, or skip it with skip_layers")
 
 
+#: What an error about sharded parameters tells the user to do.
+SHARDED_FIX = ("K-FAC, MKOR and Eva need each layer's whole weight gradient on the rank that "
+               "builds its factors: wrap the model in DistributedDataParallel instead, or leave "
+               "these layers first-order with skip_layers")
+
+
+def sharded(tensor: Tensor | None) -> bool:
+    """Whether ``tensor`` is a ``DTensor``: a parameter or gradient sharded across ranks (FSDP2's
+    ``fully_shard``, tensor parallelism), of which each rank holds a part."""
+    # A DTensor exists only once its module is imported, which takes about a second: look it
+    # up rather than import it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def refuse_sharded(name: str, module: nn.Module) -> None:
+    """Raise :class:`UnsupportedLayerError` for a module whose parameters are sharded
+    (:func:`sharded`): its factors and gradient would be one rank's part of the layer's."""
+    if any(sharded(p) for p in module.parameters(recurse=False)):
+        raise UnsupportedLayerError(
+            f"{name or 'the model'} ({type(module).__name__}) has sharded parameters (DTensor, "
+            f"from FSDP's fully_shard or tensor parallelism); {SHARDED_FIX}")
+
+
 def computed_weight(module: nn.Module) -> bool:
     """Whether ``module.weight`` is computed from other parameters rather than being one
     itself: a ``torch.nn.utils.parametrize`` parametrization (``parametrizations.weight_norm``,
@@ -490,11 +519,14 @@ def helper_for(module: nn.Module, name: str = "") -> LayerHelper | None:
     return None, so the layer is left first-order rather than preconditioned wrongly. So does
     a subclass of a supported type: its forward may differ from its base's (PyTorch's
     ``MultiheadAttention`` never calls its ``out_proj``), so it is supported only once
-    registered. A lazy one (``LazyLinear``) is refused (:func:`refuse_lazy`). One whose weight
+    registered. A lazy one (``LazyLinear``) is refused (:func:`refuse_lazy`), and so is one
+    whose parameters are sharded (:func:`refuse_sharded`). One whose weight
     is computed from other parameters (:func:`computed_weight`) warns and stays first-order.
     """
     helper_type = _HELPERS.get(type(module))
     bases = [t for t in _HELPERS if isinstance(module, t)]
+    if bases:
+        refuse_sharded(name, module)
     if bases and computed_weight(module):
         warnings.warn(f"{name or type(module).__name__}: its weight is computed from other "
                       "parameters (weight_norm, spectral_norm or another parametrization), "
