@@ -48,7 +48,7 @@ from core.factors import RunningFactor
 from core.hyper import Schedulable
 from core.inverse import DecompositionError, _with_fp64_retry
 from core.layer_base import StepLossScale, cloned, restored
-from core.layers import refuse_lazy
+from core.layers import refuse_flat_sharding, refuse_lazy, refuse_sharded
 
 BN_FISHER_MODES = ("unit", "diagonal", "full")
 
@@ -139,6 +139,7 @@ class BatchNormBlock:
     def __init__(self, name: str, module: _BatchNorm, mode: str,
                  grad_multiplier: Callable[[], float]) -> None:
         refuse_lazy(name, module)  # its blocks' shapes are unknown until a forward pass
+        refuse_sharded(name, module)  # its Fisher blocks need every channel's γ and β
         self.name = name
         self.module = module
         self.mode = mode
@@ -269,6 +270,7 @@ class BatchNormPreconditioner:
         self.loss_scale = StepLossScale(grad_scaler)
         self.steps = 0
         self.last_preconditioned = 0
+        refuse_flat_sharding(model)
         self.blocks = [
             BatchNormBlock(name, module, mode, self._grad_multiplier)
             for name, module in model.named_modules()

@@ -495,6 +495,19 @@ def refuse_sharded(name: str, module: nn.Module) -> None:
             f"from FSDP's fully_shard or tensor parallelism); {SHARDED_FIX}")
 
 
+def refuse_flat_sharding(model: nn.Module) -> None:
+    """Raise :class:`UnsupportedLayerError` for a model wrapped in ``FullyShardedDataParallel``
+    (FSDP1), whose flat parameters hold one rank's shard of every wrapped layer's weight."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded if the model uses it
+    if fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel)
+                                for m in model.modules()):
+        raise UnsupportedLayerError(
+            "the model is wrapped in FullyShardedDataParallel, whose flat parameters shard "
+            "every layer's weight; K-FAC, MKOR and Eva need each layer's whole weight gradient "
+            "on the rank that builds its factors: wrap the model in DistributedDataParallel "
+            "instead")
+
+
 def computed_weight(module: nn.Module) -> bool:
     """Whether ``module.weight`` is computed from other parameters rather than being one
     itself: a ``torch.nn.utils.parametrize`` parametrization (``parametrizations.weight_norm``,

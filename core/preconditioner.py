@@ -35,7 +35,7 @@ from core.layer_base import (
     finite_gradients,
     half_overflows,
 )
-from core.layers import helper_for
+from core.layers import helper_for, refuse_flat_sharding
 from core.strategy import FactorReduction, Strategy
 from core.timing import STAGES, StageTimer
 
@@ -47,7 +47,12 @@ def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]], *,
     A name regex in ``skip`` that matches no module's name is reported (KAISA also matched
     class names: a rule such as ``"Linear"`` skips nothing here; give the class instead),
     except those in ``quiet`` (a method's default rules, for models they do not concern).
+
+    Raises:
+        UnsupportedLayerError: for a model sharded by FSDP
+            (:func:`~core.layers.refuse_flat_sharding`, :func:`~core.layers.refuse_sharded`).
     """
+    refuse_flat_sharding(model)
     found = []
     rules = list(skip)
     unmatched = {rule for rule in rules if isinstance(rule, str)} - set(quiet)
