@@ -64,3 +64,6 @@ def test_kernel_times_scale_and_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     assert times.cubic_coefficient == pytest.approx(c)
     assert times.decomposition(16) == pytest.approx(c * 16**3)
     assert times.decomposition(8) == 2.0
+    # the note names the CPU the times belong to (they move between hosts)
+    monkeypatch.setattr(kernels.host_kernels, "cpuinfo_field", lambda key: f"{key}: Test CPU")
+    assert times.describe().startswith("Kernels timed on CPU (model name: Test CPU), ")
