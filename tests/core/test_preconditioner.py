@@ -197,33 +197,27 @@ def test_state_dict_round_trip_gives_bit_identical_next_gradients(method: str) -
         assert torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize(("saved", "loaded"), [("cholesky_solve", "inverse"),
-                                                ("cholesky", "cholesky_solve")])
-def test_load_state_dict_rejects_a_state_of_another_inverse_method(saved: str,
-                                                                   loaded: str) -> None:
-    """Damped inverses and Cholesky factors have the same shapes but other meanings."""
+@pytest.mark.parametrize(("saved", "loaded", "named"), [
+    # Damped inverses and Cholesky factors have the same shapes but other meanings.
+    ({"inverse_method": "cholesky_solve"}, {"inverse_method": "inverse"},
+     "inverse_method='inverse'"),
+    ({"inverse_method": "cholesky"}, {"inverse_method": "cholesky_solve"},
+     "inverse_method='cholesky_solve'"),
+    # Pre-divided eigenvalues hold no eigenvalue vectors, and the other way round.
+    ({}, {"prediv_eigenvalues": True}, "prediv_eigenvalues=True needs .*saved under"),
+    ({"prediv_eigenvalues": True}, {}, "prediv_eigenvalues=False needs .*saved under"),
+])
+def test_load_state_dict_rejects_a_state_of_another_kind(saved: dict, loaded: dict,
+                                                         named: str) -> None:
+    """The error names the setting to resume with; the saving settings load it."""
     model = mlp()
-    precond = KFACPreconditioner(model, inverse_method=saved)
+    precond = KFACPreconditioner(model, **saved)
     backward(model, torch.randn(6, 4, dtype=torch.float64),
              torch.randn(6, 3, dtype=torch.float64))
     precond.step()
-    with pytest.raises(ValueError, match=f"inverse_method='{loaded}'"):
-        KFACPreconditioner(mlp(), inverse_method=loaded).load_state_dict(precond.state_dict())
-    KFACPreconditioner(mlp(), inverse_method=saved).load_state_dict(precond.state_dict())
-
-
-@pytest.mark.parametrize("prediv", [False, True])
-def test_load_state_dict_rejects_eigenvalues_pre_divided_or_not(prediv: bool) -> None:
-    """A state saved with pre-divided eigenvalues holds no eigenvalue vectors (and the other
-    way round): the error names the setting to resume with."""
-    model = mlp()
-    precond = KFACPreconditioner(model, prediv_eigenvalues=prediv)
-    backward(model, torch.randn(6, 4, dtype=torch.float64),
-             torch.randn(6, 3, dtype=torch.float64))
-    precond.step()
-    with pytest.raises(ValueError, match=f"prediv_eigenvalues={not prediv} needs .*saved under"):
-        KFACPreconditioner(mlp(), prediv_eigenvalues=not prediv).load_state_dict(
-            precond.state_dict())
+    with pytest.raises(ValueError, match=named):
+        KFACPreconditioner(mlp(), **loaded).load_state_dict(precond.state_dict())
+    KFACPreconditioner(mlp(), **saved).load_state_dict(precond.state_dict())
 
 
 def test_load_state_dict_rejects_another_model() -> None:
