@@ -492,12 +492,9 @@ class MKORPreconditioner(Rank1Preconditioner):
         one."""
         return getattr(torch, self.config.precondition_dtype or self.config.dtype)
 
-    def _stat_decay(self) -> float:
-        return self._hyper("stat_decay")
-
     def _update_layer(self, layer: MKORLayer, a: Tensor, g: Tensor) -> None:
         cfg = self.config
-        layer.update(a, g, gamma=self._stat_decay(), rule=cfg.update_rule,
+        layer.update(a, g, gamma=self._hyper("stat_decay"), rule=cfg.update_rule,
                      epsilon=cfg.epsilon, zeta=cfg.zeta)
 
     def _precondition(self, grads: list[tuple[MKORLayer, Tensor]]) -> None:
@@ -556,12 +553,13 @@ class MKORPreconditioner(Rank1Preconditioner):
                           f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=3)
 
     def metrics(self) -> dict[str, float]:
-        """Stage times, communication volume, stabiliser firings and update failures."""
+        """Stage times, communication volume, stabiliser firings, update failures and the
+        last step's ``γ``."""
         out = super().metrics()
         out["stabilisations"] = float(sum(x.stabilisations for x in self.layers))
         out["update_failures"] = float(sum(x.update_failures for x in self.layers))
         out["wide_rescales"] = float(sum(x.wide_rescales for x in self.layers))
         out["nonfinite_preconditioned"] = float(sum(x.nonfinite_preconditioned
                                                     for x in self.layers))
-        out["stat_decay"] = self._stat_decay()
+        out["stat_decay"] = self._hyper("stat_decay", max(self.steps - 1, 0))  # the last step's
         return out

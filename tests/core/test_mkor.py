@@ -246,6 +246,21 @@ def test_inverses_change_only_on_update_steps_but_every_step_is_preconditioned()
     assert not torch.equal(snapshots[3], snapshots[0])  # step 3 updates
 
 
+def test_metrics_report_the_stat_decay_the_last_step_used() -> None:
+    """With a scheduled ``γ`` the logged value is the one the step just taken used (it was the
+    next step's, beside that step's stage times), and logging after a schedule's last step
+    does not read past it."""
+    torch.manual_seed(6)
+    model = nn.Linear(3, 2)
+    schedule = {0: 0.9, 1: 0.5}
+    mkor = MKORPreconditioner(model, stat_decay=lambda step: schedule[step])
+    for step in range(2):
+        model.zero_grad()
+        F.mse_loss(model(torch.randn(5, 3)), torch.randn(5, 2)).backward()
+        mkor.step()
+        assert mkor.metrics()["stat_decay"] == schedule[step]
+
+
 def test_half_precision_inverse_storage() -> None:
     torch.manual_seed(7)
     results = {}
