@@ -88,7 +88,7 @@ class CaptureHooks:
             raise TypeError(f"{type(module).__name__} was called without its input as the first "
                             "positional or the `input` keyword argument; call it with the input "
                             "first, or skip this layer with skip_layers")
-        if not output.requires_grad:
+        if not output.requires_grad or x.numel() == 0:  # an empty batch holds no curvature
             return
         x = x.detach()
         kept = x if self._on_forward is None else self._on_forward(x)

@@ -60,6 +60,8 @@ class KFACLayer(PreconditionedLayer):
         self.scaling = scaling
         self.factor_dtype = factor_dtype
         self.captured_inputs: list[Tensor] = []
+        #: Each kept input's version counter when it was kept (:meth:`check_captured_inputs`).
+        self.captured_versions: list[int] = []
         self.captured_grads: list[tuple[Tensor, float]] = []
         #: Forward calls counted (:meth:`note_call`) since the captures were last folded.
         self.calls = 0
@@ -88,8 +90,31 @@ class KFACLayer(PreconditionedLayer):
 
     def capture_input(self, x: Tensor) -> None:
         """Keep the input of a forward call whose output gradient has arrived (a reference:
-        autograd keeps it alive anyway)."""
+        autograd keeps it alive anyway), with its version counter, which any in-place change
+        to it advances (:meth:`check_captured_inputs`)."""
         self.captured_inputs.append(x)
+        self.captured_versions.append(x._version)
+
+    def check_captured_inputs(self) -> None:
+        """Refuse to build ``A`` from a kept input that was changed in place since it was kept.
+
+        The factors are built after the backward pass (at the next micro-batch's forward call
+        or at the step), when autograd no longer guards the input: a buffer refilled in place
+        with the next micro-batch (``copy_``) would silently stand in for the data the
+        gradient came from.
+
+        Raises:
+            RuntimeError: naming the layer and the two ways to keep the data intact.
+        """
+        for x, version in zip(self.captured_inputs, self.captured_versions, strict=True):
+            if x._version != version:
+                raise RuntimeError(
+                    f"{self.name}: the input K-FAC kept from its forward pass was modified in "
+                    f"place (version {version}, now {x._version}) before its factor A was built "
+                    "from it (at the next micro-batch's forward call or at step()); give each "
+                    "micro-batch a fresh input tensor rather than refilling "
+                    "one buffer in place, or build the factors in the backward pass with "
+                    "factors_in_backward=True")
 
     def capture_grad_output(self, gy: Tensor) -> None:
         """Keep one backward call's output gradient, with the multiplier in force now."""
@@ -114,6 +139,7 @@ class KFACLayer(PreconditionedLayer):
         batch slice at a time (see :data:`core.layers.ROW_PART_BYTES`). With ``timer``, row
         building is timed as ``capture`` and the factor GEMMs as ``factors``.
         """
+        self.check_captured_inputs()
         stage = timer.stage if timer is not None else lambda _: nullcontext()
         helper, dtype = self.helper, self.factor_dtype
         for x in self.captured_inputs:
@@ -132,7 +158,8 @@ class KFACLayer(PreconditionedLayer):
                 SymmetricGram(self.g_dim, dtype, gy.device), helper.grad_slices(gy),
                 helper.g_rows, partial(add_g_rows, batch=gy.shape[0], scaling=self.scaling,
                                        multiplier=multiplier), stage))
-        self.captured_inputs, self.captured_grads, self.calls = [], [], 0
+        self.captured_inputs, self.captured_versions, self.captured_grads = [], [], []
+        self.calls = 0
 
     def _shifted_factor(self, x: Tensor, plan: Plan,
                         stage: Callable[[str], AbstractContextManager[None]]) -> Tensor:
@@ -191,7 +218,8 @@ class KFACLayer(PreconditionedLayer):
 
     def discard_batch_factors(self) -> None:
         """Forget everything captured for this step (e.g. an AMP overflow step)."""
-        self.captured_inputs, self.captured_grads, self.calls = [], [], 0
+        self.captured_inputs, self.captured_versions, self.captured_grads = [], [], []
+        self.calls = 0
         self.a.discard_pending()
         self.g.discard_pending()
         self.batch_a = self.batch_g = None

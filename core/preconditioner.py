@@ -292,6 +292,8 @@ class KFACPreconditioner:
         """Precondition the gradients of this step (call after ``backward``, before the optimizer).
         """
         step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
+        for layer in self.layers:  # before anything changes: an input changed in place raises
+            layer.check_captured_inputs()
         grads = finite_gradients(self.layers, settle=self._settle_backward_reduction)
         if grads is None:  # an AMP overflow (or a diverged step): factors clean, grads raw
             self.skipped_overflow_steps += 1
@@ -400,7 +402,8 @@ class KFACPreconditioner:
         warnings.warn(f"{shown}: a gradient but nothing captured on a factor-update step (step "
                       f"{self.steps}), so their factors were not updated: capture runs only in "
                       "training mode with gradients enabled (model.train(), not under "
-                      "torch.no_grad()) and when the module itself is called; a layer stays "
+                      "torch.no_grad()) and when the module itself is called on a non-empty "
+                      "batch; a layer stays "
                       "first-order until it has factors", stacklevel=3)
 
     def skip_step(self) -> None:

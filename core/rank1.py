@@ -171,8 +171,9 @@ class Rank1Layer(PreconditionedLayer):
         a, g = self.a.take_batch(), self.g.take_batch()
         if a is None or g is None:
             warnings.warn(f"{self.name}: no statistics were captured on an update step (was the "
-                          "module called in the forward pass, in training mode with gradients "
-                          "enabled: model.train(), not under torch.no_grad()?); sending zeros",
+                          "module called in the forward pass, on a non-empty batch, in training "
+                          "mode with gradients enabled: model.train(), not under "
+                          "torch.no_grad()?); sending zeros",
                           stacklevel=3)
             return [torch.zeros(self.a_dim + self.g_dim, dtype=self.dtype, device=self.device)]
         return [a, one, g] if self.helper.has_bias else [a, g]

@@ -131,3 +131,39 @@ def test_an_unsupported_convolution_is_named_in_its_warning() -> None:
         KFACPreconditioner(model)
     texts = [str(w.message) for w in caught if "groups=2" in str(w.message)]
     assert [t.split(":")[0] for t in texts] == ["0", "1"]
+
+
+def _layer_tensors(precond: object) -> list[torch.Tensor]:
+    """The tensors of the first layer's saved state (its factors, vectors or inverses)."""
+    state = precond.layers[0].state_dict()  # type: ignore[attr-defined]
+    return [value for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+@pytest.mark.parametrize(("make", "interval"), [(KFACPreconditioner, "factor_update_steps"),
+                                                (MKORPreconditioner, "inv_update_steps"),
+                                                (EvaPreconditioner, "factor_update_steps")])
+def test_an_empty_batch_is_not_captured_and_leaves_the_statistics_as_they_were(
+        make: type, interval: str) -> None:
+    """A layer that sees no rows in a step (a mixture-of-experts expert no token reached) adds
+    nothing to its curvature: the step runs, warning that nothing was captured, the statistics
+    are those of the step before, and the next non-empty step is preconditioned as usual."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    precond = make(layer, **{interval: 1})
+    layer(torch.randn(8, 4)).pow(2).mean().backward()
+    precond.step()
+    saved = [t.clone() for t in _layer_tensors(precond)]
+    assert saved
+    layer.zero_grad()
+    layer(torch.randn(0, 4)).sum().backward()
+    with pytest.warns(UserWarning, match="non-empty batch"):
+        precond.step()
+    for old, new in zip(saved, _layer_tensors(precond), strict=True):
+        torch.testing.assert_close(new, old, rtol=0, atol=0)
+    assert torch.count_nonzero(layer.weight.grad) == 0
+    layer.zero_grad()
+    layer(torch.randn(8, 4)).pow(2).mean().backward()
+    raw = layer.weight.grad.clone()
+    precond.step()
+    assert all(torch.isfinite(t).all() for t in _layer_tensors(precond))
+    assert torch.isfinite(layer.weight.grad).all() and not torch.equal(layer.weight.grad, raw)

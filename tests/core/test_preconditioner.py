@@ -506,6 +506,49 @@ def test_factors_in_backward_refuse_more_backward_passes_than_accumulation_steps
         backward(model, x, y)
 
 
+def _micro_batches_through(buffer: Tensor | None, **options: object) -> KFACPreconditioner:
+    """Two micro-batches of one step, each fed as a fresh tensor or refilled into ``buffer``."""
+    model = mlp()
+    precond = KFACPreconditioner(model, accumulation_steps=2, factor_dtype="float64",
+                                 **options)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+        backward(model, xs.clone() if buffer is None else buffer.copy_(xs), ys, 0.5)
+    precond.step()
+    return precond
+
+
+def test_an_input_buffer_refilled_before_its_factor_is_built_is_refused() -> None:
+    """K-FAC builds ``A`` from the kept input after the backward pass, when autograd no longer
+    guards it: a buffer refilled in place with the next micro-batch would stand in for the data
+    the gradient came from. That is refused by name, before anything is folded; building the
+    factors in the backward pass (the fix the error names) gives the factors of fresh
+    tensors."""
+    buffer = torch.empty(4, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"^0: the input K-FAC kept .* modified in place "
+                                           r".*factors_in_backward=True"):
+        _micro_batches_through(buffer)
+    fresh = _micro_batches_through(None)
+    refilled = _micro_batches_through(buffer, factors_in_backward=True)
+    for ours, theirs in zip(refilled.layers, fresh.layers, strict=True):
+        torch.testing.assert_close(ours.a.value, theirs.a.value, rtol=1e-14, atol=0)
+
+
+def test_an_input_changed_between_backward_and_step_is_refused_before_the_step_changes_anything(
+        ) -> None:
+    model = mlp()
+    precond = KFACPreconditioner(model, factor_dtype="float64")
+    x = torch.randn(8, 4, dtype=torch.float64)
+    backward(model, x, torch.randn(8, 3, dtype=torch.float64))
+    raw = [p.grad.clone() for p in model.parameters()]
+    x.zero_()  # a prefetch into the same buffer
+    with pytest.raises(RuntimeError, match="modified in place"):
+        precond.step()
+    assert precond.steps == 0 and not any(layer.has_factors for layer in precond.layers)
+    assert all(torch.equal(p.grad, r) for p, r in zip(model.parameters(), raw, strict=True))
+
+
 def test_factors_in_backward_overflow_completes_the_started_reduction_then_skips() -> None:
     """An AMP overflow found in the step: the collectives the backward pass started are
     completed (as on every rank), then the step's factors are dropped."""
