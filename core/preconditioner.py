@@ -141,6 +141,11 @@ class KFACPreconditioner:
         # until the next multiple of inv_update_steps). A function of the step sequence, so
         # the same on every rank.
         self._inverted = False
+        # The layers that had factors at an inversion. Where every rank holds every layer's
+        # factors, one that first has them later (a branch first taken then, a layer first
+        # run in training mode) is inverted at the next step, not at the next multiple of
+        # inv_update_steps; its factors are the same on every rank, so the choice is too.
+        self._inverted_layers: set[str] = set()
         self.last_kl_scale = 1.0
         self.inverse_dtype = getattr(torch, self.config.inverse_dtype)
         self.state_dtype = self.config.state_dtype
@@ -342,10 +347,11 @@ class KFACPreconditioner:
                 self._report_uncaptured(uncaptured)
 
         damping = self._hyper("damping")
-        if inverting:
+        inverted = self.layers if inverting else self._first_inversions()
+        if inverted:
             if self._enabled("inversion"):
                 with timer.stage("inversion"):
-                    for layer in self._widest_first:
+                    for layer in self._widest_first if inverting else inverted:
                         layer.compute_inverse(method=cfg.state_method, damping=damping,
                                               split=cfg.damping_split, dtype=self.inverse_dtype,
                                               state_dtype=self.state_dtype,
@@ -354,7 +360,8 @@ class KFACPreconditioner:
                                               tolerance=cfg.precondition_dtype_tolerance)
             if self._enabled("inverse_comm"):
                 with timer.stage("inverse_comm"):
-                    strategy.communicate_inverses(self.layers)
+                    strategy.communicate_inverses(inverted)
+            self._inverted_layers.update(layer.name for layer in inverted if layer.has_factors)
 
         preconditioned: dict[str, Tensor] = {}
         # The KL clip's products, taken while each P is still in cache, unless communication
@@ -388,6 +395,15 @@ class KFACPreconditioner:
             self._update_running_factors(decay)
         self._end_step()
 
+    def _first_inversions(self) -> list[KFACLayer]:
+        """The layers with factors but no inversion yet, where every rank holds every layer's
+        factors (under ``osawa`` and ``dp-kfac`` only their owners know, so such a layer waits
+        for the next inversion step)."""
+        if not self.strategy.factors_everywhere:
+            return []
+        return [layer for layer in self.layers
+                if layer.has_factors and layer.name not in self._inverted_layers]
+
     def _report_uncaptured(self, names: list[str]) -> None:
         """Warn, once per layer, about layers that have a gradient but captured nothing on a
         factor-update step, so their factors stay as they were (never built, if they never
@@ -403,8 +419,9 @@ class KFACPreconditioner:
                       f"{self.steps}), so their factors were not updated: capture runs only in "
                       "training mode with gradients enabled (model.train(), not under "
                       "torch.no_grad()) and when the module itself is called on a non-empty "
-                      "batch; a layer stays "
-                      "first-order until it has factors", stacklevel=3)
+                      "batch; a layer stays first-order until it has factors (and, under "
+                      "the osawa and dp-kfac strategies, until the next inversion step)",
+                      stacklevel=3)
 
     def skip_step(self) -> None:
         """Account for a step whose optimizer update was skipped without :meth:`step` running
@@ -574,6 +591,7 @@ class KFACPreconditioner:
             "skipped_overflow_steps": self.skipped_overflow_steps,
             "nonfinite_preconditioned": self.nonfinite_preconditioned,
             "inverted": self._inverted,
+            "inverted_layers": sorted(self._inverted_layers),
             "signature": self.strategy.state_signature(),
             "strategy": self.strategy.state_dict(),
             "layers": {layer.name: layer.state_dict() for layer in self.layers},
@@ -621,6 +639,10 @@ class KFACPreconditioner:
         self.skipped_overflow_steps = int(state["skipped_overflow_steps"])
         self.nonfinite_preconditioned = int(state.get("nonfinite_preconditioned", 0))
         self._inverted = bool(state.get("inverted", True))
+        # a state saved before "inverted_layers" was kept: every layer with factors had been
+        inverted = state.get("inverted_layers")
+        self._inverted_layers = (set(inverted) if inverted is not None
+                                 else {layer.name for layer in self.layers if layer.has_factors})
         self._capturing = self._factor_update_due(self.steps)
         self.strategy.set_step(self.steps)
 

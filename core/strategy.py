@@ -78,6 +78,9 @@ class Strategy:
     #: Whether :meth:`factor_reduction` moves batch factors between ranks (if not, the
     #: preconditioner builds and blends them one layer at a time).
     communicates_factors = False
+    #: Whether every rank holds every layer's running factors (so which layers have them is
+    #: the same on every rank).
+    factors_everywhere = True
 
     def __init__(self) -> None:
         self.rank = 0

@@ -315,6 +315,7 @@ class DPKFACStrategy(KAISAStrategy):
     no factor communication; the owner preconditions and broadcasts ``P``."""
 
     communicates_factors = False
+    factors_everywhere = False
 
     def __init__(self, config: KFACConfig, communicator: Communicator) -> None:
         super().__init__(config, communicator, name="dp-kfac")
@@ -336,6 +337,7 @@ class OsawaStrategy(DistributedStrategy):
     preconditioned gradients all-gathered."""
 
     name = "osawa"
+    factors_everywhere = False
 
     @property
     def moves_gradients(self) -> bool:

@@ -1,11 +1,13 @@
 """K-FAC's factor reduction when ranks do not run the same layers in the same order: a layer
 that runs on some ranks only (data-dependent routing, an unused branch) is averaged with zeros
 from the others instead of desynchronising the collectives, a layer no rank ran keeps no
-factors, and with ``factors_in_backward`` the buckets hold the same layers on every rank
-whatever order the backward passes finish them in."""
+factors, a layer first run after the first inversion is inverted as soon as every rank can
+agree it has factors, and with ``factors_in_backward`` the buckets hold the same layers on every
+rank whatever order the backward passes finish them in."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -304,3 +306,89 @@ def test_factors_in_backward_under_ddp_with_ranks_running_different_layers() -> 
         for name, weight in reference["weights"].items():
             torch.testing.assert_close(got["weights"][name], weight)
     torch.testing.assert_close(during[0]["weights"]["a.weight"], during[1]["weights"]["a.weight"])
+
+
+def preconditioned_per_step(rank: int, world_size: int, strategy: str) -> dict[str, object]:
+    """A branch no rank runs at step 0 and every rank runs from step 1, ``inv_update_steps=4``:
+    per step, whether the branch's gradient was preconditioned, and the gradient written."""
+    torch.set_num_threads(1)
+    net = model()
+    precond = KFACPreconditioner(net, strategy=strategy, inv_update_steps=4, kl_clip=None)
+    x, y = data(rank)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    preconditioned, grads = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the branch's "nothing captured" at step 0
+        for step in range(6):
+            net.zero_grad(set_to_none=False)
+            F.cross_entropy(net(x, branch=step > 0), y).backward()
+            average_gradients(net.parameters(), precond.strategy.communicator)
+            raw = net.branch.weight.grad.clone()
+            precond.step()
+            preconditioned.append(not torch.equal(net.branch.weight.grad, raw))
+            grads.append(net.branch.weight.grad.clone())
+    return {"preconditioned": preconditioned, "grads": grads}
+
+
+def test_a_layer_first_run_after_the_first_inversion_is_inverted_at_once_in_one_process(
+        ) -> None:
+    """Before, it stayed first-order until the next multiple of ``inv_update_steps``."""
+    assert preconditioned_per_step(0, 1, "comm-opt")["preconditioned"] == [
+        False, True, True, True, True, True]
+
+
+@pytest.mark.parametrize(("strategy", "first"), [("comm-opt", 2), ("mem-opt", 2), ("d-kfac", 2),
+                                                 ("osawa", 4), ("dp-kfac", 4)])
+def test_a_layer_first_run_later_is_inverted_at_the_next_step_where_every_rank_has_its_factors(
+        strategy: str, first: int) -> None:
+    """Where every rank holds every factor, a branch first run at step 1 is inverted at step 2
+    (its factors of step 1 are averaged while step 1's gradients are preconditioned), on every
+    rank alike; under ``osawa`` and ``dp-kfac``, where only its owner holds them, at the next
+    inversion step (4). Every rank writes the same gradient."""
+    results = run_workers(preconditioned_per_step, 2, strategy, timeout=120)
+    expected = [step >= first for step in range(6)]
+    for result in results:
+        assert result["preconditioned"] == expected
+    for ours, theirs in zip(results[0]["grads"], results[1]["grads"], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("saved_before_the_key", [False, True])
+def test_which_layers_were_inverted_survives_a_checkpoint(saved_before_the_key: bool) -> None:
+    """A run resumed after step 0 inverts the branch first run at step 1 as the uninterrupted
+    run does, also from a state saved before ``inverted_layers`` was kept (then every layer
+    with factors counts as inverted)."""
+    x, y = data(0)
+
+    def run(precond: KFACPreconditioner, net: Routed, steps: range) -> list[list[Tensor]]:
+        grads = []
+        for step in steps:
+            net.zero_grad()
+            F.cross_entropy(net(x, branch=step > 0), y).backward()
+            precond.step()
+            grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        return grads
+
+    def fresh() -> tuple[Routed, KFACPreconditioner]:
+        net = model()
+        return net, KFACPreconditioner(net, inv_update_steps=4, kl_clip=None)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the branch's "nothing captured" at step 0
+        net, precond = fresh()
+        uninterrupted = run(precond, net, range(3))
+        net, precond = fresh()
+        run(precond, net, range(1))
+        state = precond.state_dict()
+        assert state["inverted_layers"] == ["a", "b", "fc", "head"]
+        if saved_before_the_key:
+            del state["inverted_layers"]
+        weights = copy.deepcopy(net.state_dict())
+        net, precond = fresh()
+        net.load_state_dict(weights)
+        precond.load_state_dict(state)
+        resumed = run(precond, net, range(1, 3))
+    for ours, theirs in zip(resumed, uninterrupted[1:], strict=True):
+        for mine, other in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(mine, other, rtol=0, atol=0)
