@@ -233,8 +233,9 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
             result = trainer.evaluate(test_loader)
             recorder.log_eval(trainer.step, epoch=trainer.epoch, **result)
             tracker.log({**result, "epoch": trainer.epoch}, step=trainer.step)
-            bar.write(f"epoch {trainer.epoch:.2f} step {trainer.step}: test accuracy "
-                      f"{result['test_accuracy']:.4f}, loss {result['test_loss']:.4f}")
+            if ctx.is_main:  # tqdm.write prints on every rank, the bar disabled or not
+                bar.write(f"epoch {trainer.epoch:.2f} step {trainer.step}: test accuracy "
+                          f"{result['test_accuracy']:.4f}, loss {result['test_loss']:.4f}")
             next_eval = (math.floor(trainer.epoch / every + 1e-9) + 1) * every
         if evaluate or stopping:
             summary = summarize(config, recorder.data["evals"], recorder.data["steps"], size)

@@ -187,11 +187,14 @@ def test_trainer_state_carries_the_stage_times_so_far() -> None:
 
 @pytest.mark.distributed
 def test_two_gloo_processes_with_the_osawa_strategy_match_one_process(tmp_path: Path) -> None:
-    """With augmentation off, 2 processes × 1 micro-batch equal 1 process × 2 micro-batches."""
-    common: dict[str, Any] = {**TINY, "mixup_alpha": 0, "erasing_rate": 0, "strategy": "osawa"}
+    """With augmentation off, 2 processes × 1 micro-batch equal 1 process × 2 micro-batches;
+    each evaluation (one per step here) is printed once, by rank 0 (it was printed by every
+    rank)."""
+    common: dict[str, Any] = {**TINY, "mixup_alpha": 0, "erasing_rate": 0, "strategy": "osawa",
+                              "eval_every_epochs": 0.001}
     settings = [f"{k}={v}" for k, v in common.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    subprocess.run(
+    completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "reproductions.osawa2018.train", "--out", str(tmp_path / "gloo"),
          "--max-steps", "2", "--wandb", "disabled", "--no-progress", "--set", *settings],
@@ -200,6 +203,8 @@ def test_two_gloo_processes_with_the_osawa_strategy_match_one_process(tmp_path: 
         wandb="disabled", progress=False)
     results = load_results(tmp_path / "gloo" / "results.json")
     assert results["hardware"]["world_size"] == 2
+    assert len(results["evals"]) == 2
+    assert completed.stdout.decode().count("test accuracy") == 2
     assert {"factor_comm", "grad_comm"} <= set(results["ledger"])
     gloo, one = final_parameters(tmp_path / "gloo"), final_parameters(tmp_path / "one")
     for name, value in one.items():
