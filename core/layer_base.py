@@ -206,6 +206,25 @@ def finite_gradients(layers: Sequence[PreconditionedLayer],
     return None
 
 
+def refuse_several_devices(method: str, layers: Sequence[PreconditionedLayer]) -> None:
+    """Refuse layers on more than one device: every method reduces over all layers' tensors
+    at once (the step's finiteness check; MKOR's and Eva's statistics are one vector), which
+    PyTorch does on one device only.
+
+    Raises:
+        ValueError: naming each device with its first layer, and the fixes.
+    """
+    first: dict[str, str] = {}
+    for layer in layers:
+        first.setdefault(str(layer.device), layer.name)
+    if len(first) > 1:
+        found = ", ".join(f"{device} ({name}, ...)" for device, name in first.items())
+        raise ValueError(f"{method} reduces over every layer's tensors at once, so its layers "
+                         f"must be on one device; found {found}: keep the model on one device "
+                         "per process (DistributedDataParallel for several), or skip_layers "
+                         "the layers on the others")
+
+
 def check_saved_layers(layers: Sequence[PreconditionedLayer], saved: dict[str, Any]) -> None:
     """Refuse a saved per-layer state that does not name exactly these layers.
 

@@ -34,6 +34,7 @@ from core.layer_base import (
     check_saved_layers,
     finite_gradients,
     half_overflows,
+    refuse_several_devices,
 )
 from core.layers import helper_for, refuse_flat_sharding
 from core.strategy import FactorReduction, Strategy
@@ -158,6 +159,7 @@ class KFACPreconditioner:
         self.loss_scale = StepLossScale(grad_scaler)
 
         self.layers = build_layers(model, self.config, self._grad_multiplier)
+        refuse_several_devices(type(self).__name__, self.layers)
         # Decompositions run widest factor first. Each needs scratch of a few times its
         # factor's bytes, and the C heap keeps narrower factors' freed scratch resident (glibc
         # serves blocks under 32 MB from the heap once one was freed), so a wide factor

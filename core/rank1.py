@@ -42,6 +42,7 @@ from core.layer_base import (
     check_saved_layers,
     finite_gradients,
     nbytes,
+    refuse_several_devices,
 )
 from core.layers import LayerHelper, helper_for
 from core.preconditioner import discover_layers
@@ -198,23 +199,6 @@ class Rank1Layer(PreconditionedLayer):
         raise NotImplementedError
 
 
-def _refuse_several_devices(method: str, layers: Sequence[Rank1Layer]) -> None:
-    """Every layer's statistics travel and are updated as one vector, on one device.
-
-    Raises:
-        ValueError: naming each device with its first layer, and the fixes.
-    """
-    first: dict[str, str] = {}
-    for layer in layers:
-        first.setdefault(str(layer.device), layer.name)
-    if len(first) > 1:
-        found = ", ".join(f"{device} ({name}, ...)" for device, name in first.items())
-        raise ValueError(f"{method} keeps every layer's statistics in one vector, so its layers "
-                         f"must be on one device; found {found}: keep the model on one device "
-                         "per process (DistributedDataParallel for several), or skip_layers "
-                         "the layers on the others")
-
-
 class Rank1Preconditioner:
     """The step shared by MKOR and Eva; see the module docstring.
 
@@ -262,7 +246,7 @@ class Rank1Preconditioner:
             and not (threshold is not None and isinstance(module, nn.Linear)
                      and module.out_features >= threshold)
         ]
-        _refuse_several_devices(type(self).__name__, self.layers)
+        refuse_several_devices(type(self).__name__, self.layers)
         if not self.layers:
             warnings.warn(f"{type(self).__name__} found no supported layers (Linear, Conv2d); "
                           "step() leaves every gradient first-order", stacklevel=2)

@@ -169,11 +169,12 @@ def test_an_empty_batch_is_not_captured_and_leaves_the_statistics_as_they_were(
     assert torch.isfinite(layer.weight.grad).all() and not torch.equal(layer.weight.grad, raw)
 
 
-@pytest.mark.parametrize("make", [MKORPreconditioner, EvaPreconditioner])
-def test_rank_one_layers_on_several_devices_are_refused_naming_them(make: type) -> None:
-    """Their statistics are concatenated into one vector (one all-reduce), which ``torch.cat``
-    cannot do across devices: refused when built, not at the first update. The meta device
-    stands in for a second one here."""
+@pytest.mark.parametrize("make", [KFACPreconditioner, MKORPreconditioner, EvaPreconditioner])
+def test_layers_on_several_devices_are_refused_naming_them(make: type) -> None:
+    """Every method reduces over all layers' tensors at once (the finiteness check of the
+    gradients; MKOR's and Eva's statistics are one vector), which PyTorch cannot do across
+    devices: refused when built, not at the first step. The meta device stands in for a
+    second one here."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2, device="meta"))
     with pytest.raises(ValueError, match=r"must be on one device; found cpu \(0, \.\.\.\), "
                                          r"meta \(1, \.\.\.\).*skip_layers"):
