@@ -17,6 +17,10 @@ Conventions (FLOPs = floating-point operations; a multiply-add is :data:`FLOPS_P
   (``Q_Gᵀ·∇W̄·Q_A`` and back), ``inverse``/``cholesky`` two (``G⁻¹·∇W̄·A⁻¹``), each pair
   ``2·(g·g·a + g·a·a)`` FLOPs; ``cholesky_solve`` four triangular solves (two per factor),
   the FLOPs of one pair, timed as that pair (the solves run at about the GEMM rate).
+* **Rank-1 statistics** (MKOR, Eva): a mean row of ``rows × n`` values, ``rows·n`` additions
+  (:func:`mean_row_flops`); MKOR's Sherman–Morrison update of an ``n × n`` inverse factor, a
+  matrix-vector product and a rank-1 update, ``n²`` multiply-adds each
+  (:func:`sherman_morrison_flops`); the scalar and vector terms are not counted.
 
 Which worker does what comes from the simulated strategy itself
 (:class:`core.distributed.simulate.RankReport`: the layers a rank captures, the factors it
@@ -78,6 +82,16 @@ class FlopCost:
 
     def precondition(self, g: int, a: int) -> float:
         return float(PRECONDITION_GEMM_PAIRS[self.method] * FLOPS_PER_MAC * (g * g * a + g * a * a))
+
+
+def mean_row_flops(rows: int, n: int) -> float:
+    """A mean over ``rows`` rows of ``n`` values (a rank-1 statistic)."""
+    return float(rows * n)
+
+
+def sherman_morrison_flops(n: int) -> float:
+    """MKOR's rank-1 update of one ``n × n`` inverse factor."""
+    return float(2 * FLOPS_PER_MAC * n * n)
 
 
 RATES_SCHEMA = "kfac-repro/kernel-rates/v1"

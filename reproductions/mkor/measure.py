@@ -188,7 +188,11 @@ def update_times(method: str, model: nn.Module, loss_fn: LossFn, options: dict[s
     return best
 
 
-def linear_layer(d: int, rows: int = 64, seed: int = 0) -> tuple[nn.Module, LossFn]:
+TABLE1_ROWS = 64
+"""Rows of the batch M1 measures Table 1's layer on."""
+
+
+def linear_layer(d: int, rows: int = TABLE1_ROWS, seed: int = 0) -> tuple[nn.Module, LossFn]:
     """One ``d x d`` linear layer and a loss on ``rows`` random inputs (Table 1's "layer")."""
     generator = torch.Generator().manual_seed(seed)
     layer = nn.Sequential(nn.Linear(d, d))

@@ -40,6 +40,7 @@ import torch
 
 from core.rank1 import BERT_DECODER_PATTERN
 from reproductions.common.cli import exit_on_user_error, positive_int
+from reproductions.common.cost import FlopCost, mean_row_flops, sherman_morrison_flops
 from reproductions.common.results import SCHEMA as RESULTS_SCHEMA
 from reproductions.common.results import ResultsError, check_comparable, load_results
 from reproductions.common.tables import Table, tables_destination, update_tables
@@ -47,6 +48,7 @@ from reproductions.mkor import cnn_study, frequency, rank1_error
 from reproductions.mkor.config import MODEL_PRESETS, load_config
 from reproductions.mkor.measure import (
     METHODS,
+    TABLE1_ROWS,
     Cost,
     image_classifier,
     linear_layer,
@@ -152,11 +154,34 @@ def fitted_exponent(dims: Sequence[int], values: Sequence[float | None]) -> floa
         (x - mx) ** 2 for x in xs)
 
 
+def update_flops(method: str, d: int, kfac_inverse_method: str,
+                 rows: int = TABLE1_ROWS) -> int | None:
+    """Counted FLOPs of one update of a ``d x d`` layer's statistics on ``rows`` rows, under
+    :mod:`reproductions.common.cost`'s conventions (the input side has ``d + 1`` entries, the
+    bias's); None for a first-order method.
+
+    K-FAC builds both factors and decomposes them; MKOR takes both mean rows and updates both
+    inverse factors by Sherman–Morrison; Eva takes both mean rows (its running averages of two
+    vectors are not counted)."""
+    a, g = d + 1, d
+    if method == "kfac":
+        cost = FlopCost(kfac_inverse_method)
+        return round(cost.factor(rows, a) + cost.factor(rows, g)
+                     + cost.decomposition(a) + cost.decomposition(g))
+    if method not in ("mkor", "eva"):
+        return None
+    statistics = mean_row_flops(rows, d) + mean_row_flops(rows, g)  # ā's bias entry is 1
+    if method == "eva":
+        return round(statistics)
+    return round(statistics + sherman_morrison_flops(a) + sherman_morrison_flops(g))
+
+
 def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> Table:
     """M1: Table 1 measured per ``d x d`` layer at ``world_size`` GPUs."""
     options = {method: {k: v for k, v in opts.items() if k != "skip_layers"}  # BERT's heads
                for method, opts in second_order_options().items()}
     strategy = options["kfac"].get("strategy", "comm-opt")
+    inverse_method = options["kfac"].get("inverse_method", "eigen")
     costs, times = [], []
     for d in dims:
         layer, loss = linear_layer(d)
@@ -168,12 +193,15 @@ def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> T
     for method in METHODS:
         memory = [c[method].state_bytes for c in costs]
         comm = [c[method].comm_bytes or None for c in costs]
+        flops = [update_flops(method, d, inverse_method) for d in dims]
         update = [t[method]["update"] * 1e3 if method in t else None for t in times]
         apply = [t[method]["precondition"] * 1e3 if method in t else None for t in times]
         paper = PAPER_TABLE1[method]
         for quantity, cited, values in (
                 ("memory (bytes)", paper[0], memory),
                 ("communication per update (bytes)", paper[1], comm),
+                (f"update: statistics + inversion (FLOPs counted, {TABLE1_ROWS} rows)",
+                 paper[2], flops),
                 ("update: statistics + inversion (ms, this CPU)", paper[2], update),
                 ("preconditioning L⁻¹∇WR⁻¹ (ms, this CPU)", "(not in the table)", apply)):
             rows.append([NAMES[method], quantity, cited, *values,
@@ -197,8 +225,11 @@ def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> T
             "every method shares is left out; LAMB has none else, shown as —); K-FAC's is the "
             "factor all-reduce plus, in mem-opt, the broadcast of the preconditioned gradient "
             "(comm-opt broadcasts the eigen-decompositions instead: 5/3 as many bytes with KAISA's "
-            "pre-divided eigenvalues, 4/3 without). The "
-            "exponents are hardware-independent for memory and communication; the times are "
+            "pre-divided eigenvalues, 4/3 without). FLOPs are counted as "
+            "reproductions/common/cost.py defines them: K-FAC's two factor GEMMs and its "
+            f"{inverse_method} decompositions, MKOR's two mean rows and two Sherman–Morrison "
+            "updates, Eva's two mean rows (Eva's d² is its preconditioning). The "
+            "exponents are hardware-independent for memory, communication and FLOPs; the times are "
             "this CPU's (single process, best of 3) and only their growth with d is comparable "
             "with the paper's column. The paper's computation column counts the update; "
             "preconditioning, a product of d x d matrices for K-FAC and MKOR, is shown "

@@ -39,6 +39,14 @@ def test_tables_from_the_committed_results(tmp_path: Path,
     assert m1[("KAISA (K-FAC)", "communication per update (bytes)")][exponent] == pytest.approx(
         2, abs=0.1)
     assert m1[("Eva", "memory (bytes)")][exponent] == pytest.approx(1, abs=0.1)
+    flops = "update: statistics + inversion (FLOPs counted, 64 rows)"
+    first = built[0].columns.index("ours: d = 32")
+    # by hand at d = 32 (a = 33, g = 32, 64 rows): K-FAC 2·64·(a² + g²) + 9·(a³ + g³),
+    # MKOR 64·32·2 + 4·(a² + g²), Eva 64·32·2; LAMB counts nothing
+    assert m1[("KAISA (K-FAC)", flops)][first] == 2 * 64 * (33**2 + 32**2) + 9 * (33**3 + 32**3)
+    assert m1[("MKOR", flops)][first] == 64 * 32 * 2 + 4 * (33**2 + 32**2)
+    assert m1[("Eva", flops)][first] == 64 * 32 * 2
+    assert m1[("LAMB", flops)][first] is None
 
     m2 = {(row[0], row[1]): row for row in built[1].rows}
     second = built[1].columns.index("ours: second-order state")
