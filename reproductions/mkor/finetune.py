@@ -179,8 +179,12 @@ def fine_tune(model: nn.Module, train: Dataset, collate: Callable[[list[dict]], 
         require_same_config(done["config"], config, here, **RESUME_CHECK)
         if done["finished"]:
             return done
-    if not args.resume and ckpt_dir.exists():  # a fresh run: older checkpoints would outrank it
-        shutil.rmtree(ckpt_dir)
+    if not args.resume:
+        # A fresh run: an earlier run's checkpoints would outrank its own, and its results,
+        # until this run's first checkpoint, would be taken for this run's by --resume.
+        if ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)
+        results_path.unlink(missing_ok=True)
 
     seed_everything(args.seed)
     model.to(ctx.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from transformers import AutoTokenizer
 
 from reproductions.common.checkpoint import checkpoint_step, list_checkpoints
 from reproductions.common.results import load_results
-from reproductions.mkor import data, glue, squad
+from reproductions.mkor import data, finetune, glue, squad
 from reproductions.mkor.model import build_model
 
 
@@ -115,6 +116,22 @@ def test_finetuning_resume_refuses_other_options_and_a_fresh_run_starts_over(
     assert "saved by a run with other settings (lr: 2e-05 saved, 0.5 now)" in line
     fresh = glue.main(args)
     assert [s["step"] for s in fresh["steps"]] == [0, 1, 2, 3]
+
+
+def test_a_fresh_run_stopped_before_its_first_checkpoint_resumes_as_itself(
+        model_dir: Path, tmp_path: Path) -> None:
+    """A fresh run deletes the earlier run's results with its checkpoints: stopped before its
+    own first checkpoint, then resumed, it starts afresh (before, the earlier run's results
+    file was checked against it, and refused its settings)."""
+    glue_dir = rte_data(tmp_path / "glue_data")
+    args = ["--task", "rte", *common_args(glue_dir, model_dir, tmp_path / "o")]
+    glue.main(args)
+    with mock.patch.object(finetune, "epoch_batches", side_effect=KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            glue.main([*args, "--lr", "0.5"])
+    resumed = glue.main([*args, "--lr", "0.5", "--resume"])
+    assert resumed["finished"] is not None and resumed["config"]["lr"] == 0.5
+    assert [s["step"] for s in resumed["steps"]] == [0, 1, 2, 3]
 
 
 def one_error_line(capsys: pytest.CaptureFixture[str], prog: str) -> str:
