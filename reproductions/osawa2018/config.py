@@ -101,7 +101,9 @@ class OsawaConfig:
             in steps from each epoch on (factor-update relaxation); ``[[0, 1]]`` updates every step.
         bn_fisher: BatchNorm Fisher block: ``unit``, ``diagonal``, ``full`` or ``none``
             (first-order BatchNorm).
-        bn_damping_scale: BatchNorm damping is this times the K-FAC damping (``stab_coeff``).
+        bn_damping_scale: BatchNorm damping is this times ``damping`` (``stab_coeff``); not
+            raised to ``weight_decay``, which BatchNorm's parameters do not take (chainerkfac
+            takes the larger of each parameter's own L2 coefficient and the damping).
         strategy: Distribution strategy of K-FAC across processes (``osawa`` = the paper's).
         precondition_dtype: dtype of the inverses (``bfloat16``: half the memory and fast
             products on bf16 hardware; None: fp32, the paper's), see ``core.KFACConfig``.

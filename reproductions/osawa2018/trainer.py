@@ -98,7 +98,7 @@ class OsawaTrainer:
             if config.bn_fisher != "none":
                 self.bn = BatchNormPreconditioner(
                     self.net, mode=config.bn_fisher,
-                    damping=config.bn_damping_scale * config.effective_damping,
+                    damping=config.bn_damping_scale * config.damping,  # no L2 on BN: no max
                     factor_decay=config.factor_decay, update_steps=self.intervals,
                     accumulation_steps=self.accumulation_steps,
                     communicator=getattr(self.kfac.strategy, "communicator", None))

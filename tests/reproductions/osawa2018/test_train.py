@@ -185,6 +185,18 @@ def test_trainer_state_carries_the_stage_times_so_far() -> None:
     assert resumed.ledger() is None  # one process: nothing moves
 
 
+def test_weight_decay_raises_the_damping_of_the_layers_that_take_it_only() -> None:
+    """λ = max(the parameter's L2 coefficient, damping) (chainerkfac's ``get_diagval``): the
+    Conv/Linear layers take ``weight_decay``, BatchNorm's parameters none, so its damping stays
+    ``bn_damping_scale · damping`` (it took the max too)."""
+    config = load_config("fmnist_default", {**TINY, "weight_decay": 1e-3, "damping": 2.5e-4})
+    trainer = OsawaTrainer(config, num_classes=3, in_channels=1, dataset_size=64,
+                           device=torch.device("cpu"))
+    assert trainer.kfac is not None and trainer.bn is not None
+    assert trainer.kfac.config.damping == 1e-3
+    assert trainer.bn.damping == pytest.approx(64 * 2.5e-4)
+
+
 @pytest.mark.distributed
 def test_two_gloo_processes_with_the_osawa_strategy_match_one_process(tmp_path: Path) -> None:
     """With augmentation off, 2 processes × 1 micro-batch equal 1 process × 2 micro-batches;
