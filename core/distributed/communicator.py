@@ -48,9 +48,10 @@ _triangle = _TriangleIndex()
 
 
 def _wire_view(tensor: Tensor, pack: bool) -> Tensor:
-    """``tensor`` flattened, or its packed upper triangle."""
+    """``tensor`` flattened (a copy where its elements are not back to back: a collective
+    reads and writes ``numel`` consecutive elements), or its packed upper triangle."""
     if not pack:
-        return tensor.reshape(-1)
+        return tensor.reshape(-1).contiguous()
     upper, _ = _triangle(tensor.shape[0], tensor.device)
     return tensor.reshape(-1).index_select(0, upper)
 
@@ -83,9 +84,11 @@ def _store(tensor: Tensor, segment: Tensor, pack: bool) -> None:
         tensor.copy_(segment.view_as(tensor))
         return
     upper, lower = _triangle(tensor.shape[0], tensor.device)
-    flat = tensor.view(-1)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.new_empty(tensor.numel())
     flat.index_copy_(0, upper, segment)
     flat.index_copy_(0, lower, segment)
+    if flat.data_ptr() != tensor.data_ptr():  # a transposed or strided matrix: written back
+        tensor.copy_(flat.view_as(tensor))
 
 
 @dataclass
