@@ -20,6 +20,7 @@ from core.hyper import Schedulable, value_at
 INVERSE_METHODS = ("eigen", "inverse", "cholesky", "cholesky_solve")
 DAMPING_SPLITS = ("full", "pi")
 FACTOR_SCALINGS = ("kaisa", "kfc", "dpkfac")
+FACTOR_INITS = ("batch", "identity")
 STRATEGIES = ("d-kfac", "comm-opt", "hybrid-opt", "mem-opt", "mpd-kfac", "osawa", "dp-kfac")
 STRATEGY_ALIASES = {"mpd-kfac": "mem-opt"}
 ASSIGNMENT_POLICIES = ("greedy", "round-robin", "contiguous")
@@ -218,6 +219,10 @@ class KFACConfig:
             bfloat16). Needs ``colocate_factors``.
         damping_split: "full" (λ on each factor) or "pi" (trace-norm π split); not for "eigen".
         factor_scaling: "kaisa", "kfc" or "dpkfac" (the code base whose damping values are used).
+        factor_init: where each running factor starts: "batch" (the first update sets it to
+            the batch factor) or "identity" (it starts at I, so the first update gives
+            ``α·I + (1 − α)·F_batch``; KAISA's and the DP-KFAC code's start, which keeps an
+            ``αᵏ·I`` term after ``k`` updates: 19% after 32 at α = 0.95).
         kl_clip: KL-clip κ > 0, or None to disable.
         lr: learning rate used only by the KL clip (number or callable).
         skip_layers: module-name regexes or module classes left first-order.
@@ -264,6 +269,7 @@ class KFACConfig:
     prediv_eigenvalues: bool = False
     damping_split: str = "full"
     factor_scaling: str = "kaisa"
+    factor_init: str = "batch"
     kl_clip: Schedulable[float] | None = 1e-3
     lr: Schedulable[float] = 0.1
     skip_layers: Sequence[str | type[nn.Module]] = field(default_factory=tuple)
@@ -302,6 +308,7 @@ class KFACConfig:
                 "products; use inverse_method='inverse', 'cholesky' or 'cholesky_solve' for 'pi')",
             )
         check_choice("factor_scaling", self.factor_scaling, FACTOR_SCALINGS)
+        check_choice("factor_init", self.factor_init, FACTOR_INITS)
         if self.kl_clip is not None:
             check_hyper("kl_clip", self.kl_clip)
         check_hyper("lr", self.lr)

@@ -193,7 +193,8 @@ def add_g_rows(gram: SymmetricGram, rows: Rows, batch: int, scaling: str,
 
 
 class RunningFactor:
-    """A running average ``F ← α·F + (1 − α)·F_batch``; the first update sets ``F = F_batch``.
+    """A running average ``F ← α·F + (1 − α)·F_batch``; the first update sets ``F = F_batch``,
+    or, for a factor that starts at the identity, ``F = α·I + (1 − α)·F_batch``.
 
     Batch factors of several micro-steps (gradient accumulation, or a module called more than
     once) are summed into a pending batch and averaged when the running average is updated.
@@ -228,8 +229,11 @@ class RunningFactor:
         self.pending, self.pending_count = None, 0
 
     @traced("running_average")
-    def update(self, batch: Tensor, decay: float) -> None:
-        """Blend a batch factor into the running average."""
+    def update(self, batch: Tensor, decay: float, *, identity_start: bool = False) -> None:
+        """Blend a batch factor into the running average (which, with ``identity_start``, is
+        the identity before the first update)."""
+        if self.value is None and identity_start:
+            self.value = torch.eye(batch.shape[0], dtype=batch.dtype, device=batch.device)
         if self.value is None:
             self.value = batch.clone()
         else:

@@ -45,6 +45,7 @@ class KFACLayer(PreconditionedLayer):
         factor_dtype: Storage dtype of the factors.
         grad_multiplier: Returns the factor by which captured output gradients are multiplied
             (accumulation steps over the AMP loss scale), read at capture time.
+        identity_start: Whether the running factors start at the identity (``factor_init``).
     """
 
     def __init__(
@@ -55,9 +56,11 @@ class KFACLayer(PreconditionedLayer):
         scaling: str,
         factor_dtype: torch.dtype,
         grad_multiplier: Callable[[], float],
+        identity_start: bool = False,
     ) -> None:
         super().__init__(name, helper, grad_multiplier=grad_multiplier)
         self.scaling = scaling
+        self.identity_start = identity_start
         self.factor_dtype = factor_dtype
         self.captured_inputs: list[Tensor] = []
         #: Each kept input's version counter when it was kept (:meth:`check_captured_inputs`).
@@ -254,8 +257,8 @@ class KFACLayer(PreconditionedLayer):
             return
         if reduced and zero:
             return
-        self.a.update(batch_a, decay)
-        self.g.update(batch_g, decay)
+        self.a.update(batch_a, decay, identity_start=self.identity_start)
+        self.g.update(batch_g, decay, identity_start=self.identity_start)
 
     @property
     def has_factors(self) -> bool:

@@ -80,7 +80,8 @@ def build_layers(model: nn.Module, config: KFACConfig,
     return [
         KFACLayer(name, helper, scaling=config.factor_scaling,
                   factor_dtype=getattr(torch, config.factor_dtype),
-                  grad_multiplier=grad_multiplier)
+                  grad_multiplier=grad_multiplier,
+                  identity_start=config.factor_init == "identity")
         for name, module in discover_layers(model, config.skip_layers)
         if (helper := helper_for(module)) is not None
     ]

@@ -119,21 +119,30 @@ def test_grouped_conv_is_skipped_with_warning() -> None:
     assert [layer.name for layer in precond.layers] == ["2"]
 
 
-def test_running_average_first_update_sets_factor() -> None:
+@pytest.mark.parametrize("factor_init", ["batch", "identity"])
+def test_running_average_starts_at_the_first_batch_or_the_identity(factor_init: str) -> None:
+    """``F ← 0.9·F + 0.1·F_batch`` from ``F = F_batch₁`` ("batch"), or from ``F = I`` before
+    the first update ("identity", KAISA's and the DP-KFAC code's start): both factors."""
     torch.manual_seed(3)
     layer = nn.Linear(3, 2).double()
-    precond = KFACPreconditioner(layer, factor_decay=0.9, factor_dtype="float64", kl_clip=None)
-    batches = []
+    precond = KFACPreconditioner(layer, factor_decay=0.9, factor_dtype="float64", kl_clip=None,
+                                 factor_init=factor_init)
+    a_batches, g_batches = [], []
     for _ in range(3):
         x = torch.randn(4, 3, dtype=torch.float64)
         layer.zero_grad()
-        layer(x).pow(2).sum().backward()
-        batches.append(with_bias_column(x).T @ with_bias_column(x) / 4)
+        out = layer(x)
+        out.pow(2).sum().backward()
+        a_batches.append(with_bias_column(x).T @ with_bias_column(x) / 4)
+        g_batches.append((2 * out).T @ (2 * out) / 4)  # KAISA's G of the summed loss
         precond.step()
-    expected = batches[0]
-    for batch in batches[1:]:
-        expected = 0.9 * expected + 0.1 * batch
-    torch.testing.assert_close(precond.layers[0].a.value, expected)
+    for batches, got in ((a_batches, precond.layers[0].a.value),
+                         (g_batches, precond.layers[0].g.value)):
+        expected = (torch.eye(batches[0].shape[0], dtype=torch.float64)
+                    if factor_init == "identity" else None)
+        for batch in batches:
+            expected = batch if expected is None else 0.9 * expected + 0.1 * batch
+        torch.testing.assert_close(got, expected)
 
 
 def test_factors_stay_fp32_under_bf16_autocast() -> None:
