@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -48,7 +49,12 @@ from core.factors import RunningFactor
 from core.hyper import Schedulable
 from core.inverse import DecompositionError, _with_fp64_retry
 from core.layer_base import StepLossScale, cloned, restored
-from core.layers import refuse_flat_sharding, refuse_lazy, refuse_sharded
+from core.layers import (
+    UnsupportedLayerError,
+    refuse_flat_sharding,
+    refuse_lazy,
+    refuse_sharded,
+)
 
 BN_FISHER_MODES = ("unit", "diagonal", "full")
 
@@ -124,6 +130,24 @@ def damped_block_inverse(blocks: Tensor, damping: float, dtype: torch.dtype) -> 
     return inv
 
 
+def refuse_synchronised(name: str, module: _BatchNorm) -> None:
+    """Refuse a SyncBatchNorm that normalises with every rank's statistics: its Fisher blocks
+    are built from this rank's batch normalised with this rank's own.
+
+    Raises:
+        UnsupportedLayerError: naming the layer and the fixes.
+    """
+    if not (isinstance(module, nn.SyncBatchNorm) and dist.is_available()
+            and dist.is_initialized()):
+        return
+    group = module.process_group or dist.group.WORLD
+    if dist.get_world_size(group) > 1:
+        raise UnsupportedLayerError(
+            f"{name}: SyncBatchNorm normalises with the statistics of every rank's batch, and "
+            "BatchNormPreconditioner builds its Fisher blocks from this rank's alone; use "
+            "BatchNorm (per-rank statistics, as Osawa et al.) or skip_layers it")
+
+
 class BatchNormBlock:
     """Fisher blocks and their damped inverse for one BatchNorm module.
 
@@ -140,6 +164,7 @@ class BatchNormBlock:
                  grad_multiplier: Callable[[], float]) -> None:
         refuse_lazy(name, module)  # its blocks' shapes are unknown until a forward pass
         refuse_sharded(name, module)  # its Fisher blocks need every channel's γ and β
+        refuse_synchronised(name, module)
         self.name = name
         self.module = module
         self.mode = mode
@@ -271,12 +296,21 @@ class BatchNormPreconditioner:
         self.steps = 0
         self.last_preconditioned = 0
         refuse_flat_sharding(model)
-        self.blocks = [
-            BatchNormBlock(name, module, mode, self._grad_multiplier)
-            for name, module in model.named_modules()
-            if isinstance(module, _BatchNorm) and module.affine and module.weight.requires_grad
-            and not skipped(name, module, skip_layers)
-        ]
+        self.blocks = []
+        half_frozen = []
+        for name, module in model.named_modules():
+            if (not isinstance(module, _BatchNorm) or not module.affine
+                    or skipped(name, module, skip_layers)):
+                continue
+            trained = (module.weight.requires_grad, module.bias.requires_grad)
+            if all(trained):
+                self.blocks.append(BatchNormBlock(name, module, mode, self._grad_multiplier))
+            elif any(trained):
+                half_frozen.append(name)
+        if half_frozen:
+            warnings.warn(f"BatchNorm layers {', '.join(half_frozen)}: one of γ and β is frozen; "
+                          "their Fisher blocks couple the two, so these layers are left "
+                          "first-order (skip_layers them to silence this)", stacklevel=2)
         self.communicator = communicator or Communicator.from_torch()
         self._capturing = self._update_due(0)
         self._hooks = HookSet(lambda: [

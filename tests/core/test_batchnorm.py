@@ -259,3 +259,20 @@ def test_normalised_input_equals_dense_mean_and_variance(shape: tuple[int, ...])
     x[(0, 1) + (0,) * (x.dim() - 2)] = float("nan")
     x_hat = normalised(x.float(), 1e-5)
     assert x_hat[:, 1].isnan().all() and x_hat[:, [0, 2]].isfinite().all()
+
+
+def test_a_layer_with_gamma_or_beta_frozen_is_left_first_order_with_a_warning() -> None:
+    """Its Fisher block couples γ and β: with one of them frozen it was captured, averaged and
+    inverted every step but never applied, silently."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(18, 2),
+                        nn.BatchNorm1d(2))
+    net[1].bias.requires_grad_(False)
+    net[4].weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"BatchNorm layers 1, 4: one of γ and β is frozen"):
+        bn = BatchNormPreconditioner(net)
+    assert bn.blocks == []
+    F.cross_entropy(net(torch.randn(8, 1, 5, 5)), torch.randint(0, 2, (8,))).backward()
+    raw = net[1].weight.grad.clone()
+    bn.step()
+    assert torch.equal(net[1].weight.grad, raw)

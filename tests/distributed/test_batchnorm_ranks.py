@@ -70,3 +70,26 @@ def no_batchnorm_step(rank: int, world_size: int) -> int:
 
 def test_a_model_without_batchnorm_steps_on_every_rank() -> None:
     assert run_workers(no_batchnorm_step, 2) == [0, 0]
+
+
+def build_with_sync_batchnorm(rank: int, world_size: int) -> str:
+    """The error building the preconditioner on a model with a SyncBatchNorm across ranks."""
+    torch.set_num_threads(1)
+    from core.layers import UnsupportedLayerError
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.SyncBatchNorm(2))
+    try:
+        BatchNormPreconditioner(net)
+    except UnsupportedLayerError as err:
+        return str(err)
+    return "built"
+
+
+def test_a_sync_batchnorm_across_ranks_is_refused_naming_it() -> None:
+    """SyncBatchNorm normalises with every rank's statistics, the Fisher blocks were built from
+    this rank's alone (27% off one process's on shifted data, with a CPU stand-in for its
+    forward); in one process it is a BatchNorm, and accepted."""
+    for message in run_workers(build_with_sync_batchnorm, 2, timeout=120):
+        assert message.startswith("1: SyncBatchNorm normalises with the statistics of every rank")
+        assert "skip_layers" in message
+    assert len(BatchNormPreconditioner(nn.Sequential(nn.SyncBatchNorm(2))).blocks) == 1
