@@ -145,11 +145,14 @@ def test_a_user_error_on_one_rank_is_reported_not_the_others_broken_collective()
 
 
 def _sleep_forever(pids: str | None = None) -> None:
-    """Write this worker's process id into ``pids`` (a folder), then sleep."""
+    """Write this worker's process id into ``pids`` (a folder), then sleep. The file appears
+    whole (written aside, then renamed): a reader polling the folder saw an empty one."""
     import time
 
     if pids is not None:
-        (Path(pids) / os.environ["RANK"]).write_text(str(os.getpid()))
+        partial = Path(pids) / f".{os.environ['RANK']}.partial"
+        partial.write_text(str(os.getpid()))
+        partial.rename(Path(pids) / os.environ["RANK"])
     time.sleep(600)
 
 
@@ -187,10 +190,13 @@ def test_workers_do_not_outlive_the_launcher(tmp_path: Path) -> None:
          f"run_local(_sleep_forever, 2, {str(tmp_path)!r})"],
         cwd=Path(__file__).resolve().parents[3],
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    def written() -> list[Path]:
+        return [f for f in tmp_path.iterdir() if not f.name.startswith(".")]
+
     deadline = time.monotonic() + 120
-    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+    while len(written()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    pids = [int(f.read_text()) for f in tmp_path.iterdir()]
+    pids = [int(f.read_text()) for f in written()]
     assert len(pids) == 2, "the workers did not start"
     launcher.send_signal(signal.SIGTERM)
     launcher.wait(timeout=30)
