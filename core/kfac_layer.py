@@ -62,9 +62,8 @@ class KFACLayer(PreconditionedLayer):
         self.scaling = scaling
         self.identity_start = identity_start
         self.factor_dtype = factor_dtype
-        self.captured_inputs: list[Tensor] = []
-        #: Each kept input's version counter when it was kept (:meth:`check_captured_inputs`).
-        self.captured_versions: list[int] = []
+        #: Kept inputs, each with its version counter when kept (:meth:`check_captured_inputs`).
+        self.captured_inputs: list[tuple[Tensor, int]] = []
         self.captured_grads: list[tuple[Tensor, float]] = []
         #: Forward calls counted (:meth:`note_call`) since the captures were last folded.
         self.calls = 0
@@ -95,8 +94,7 @@ class KFACLayer(PreconditionedLayer):
         """Keep the input of a forward call whose output gradient has arrived (a reference:
         autograd keeps it alive anyway), with its version counter, which any in-place change
         to it advances (:meth:`check_captured_inputs`)."""
-        self.captured_inputs.append(x)
-        self.captured_versions.append(x._version)
+        self.captured_inputs.append((x, x._version))
 
     def check_captured_inputs(self) -> None:
         """Refuse to build ``A`` from a kept input that was changed in place since it was kept.
@@ -109,7 +107,7 @@ class KFACLayer(PreconditionedLayer):
         Raises:
             RuntimeError: naming the layer and the two ways to keep the data intact.
         """
-        for x, version in zip(self.captured_inputs, self.captured_versions, strict=True):
+        for x, version in self.captured_inputs:
             if x._version != version:
                 raise RuntimeError(
                     f"{self.name}: the input K-FAC kept from its forward pass was modified in "
@@ -145,7 +143,7 @@ class KFACLayer(PreconditionedLayer):
         self.check_captured_inputs()
         stage = timer.stage if timer is not None else lambda _: nullcontext()
         helper, dtype = self.helper, self.factor_dtype
-        for x in self.captured_inputs:
+        for x, _ in self.captured_inputs:
             plan = helper.shifted_plan(x.shape)
             if plan is not None:
                 self.a.accumulate(self._shifted_factor(x, plan, stage))
@@ -161,8 +159,7 @@ class KFACLayer(PreconditionedLayer):
                 SymmetricGram(self.g_dim, dtype, gy.device), helper.grad_slices(gy),
                 helper.g_rows, partial(add_g_rows, batch=gy.shape[0], scaling=self.scaling,
                                        multiplier=multiplier), stage))
-        self.captured_inputs, self.captured_versions, self.captured_grads = [], [], []
-        self.calls = 0
+        self.captured_inputs, self.captured_grads, self.calls = [], [], 0
 
     def _shifted_factor(self, x: Tensor, plan: Plan,
                         stage: Callable[[str], AbstractContextManager[None]]) -> Tensor:
@@ -221,8 +218,7 @@ class KFACLayer(PreconditionedLayer):
 
     def discard_batch_factors(self) -> None:
         """Forget everything captured for this step (e.g. an AMP overflow step)."""
-        self.captured_inputs, self.captured_versions, self.captured_grads = [], [], []
-        self.calls = 0
+        self.captured_inputs, self.captured_grads, self.calls = [], [], 0
         self.a.discard_pending()
         self.g.discard_pending()
         self.batch_a = self.batch_g = None
@@ -377,7 +373,8 @@ class KFACLayer(PreconditionedLayer):
             "factors": nbytes(self.a.value, self.g.value),
             "inverses": nbytes(*self.state.tensors()) if self.state else 0,
             "buffers": nbytes(self.a.pending, self.g.pending, self.batch_a, self.batch_g,
-                              *self.captured_inputs, *(g for g, _ in self.captured_grads)),
+                              *(x for x, _ in self.captured_inputs),
+                              *(g for g, _ in self.captured_grads)),
         }
 
     def state_dict(self) -> dict[str, object]:

@@ -84,10 +84,11 @@ def _store(tensor: Tensor, segment: Tensor, pack: bool) -> None:
         tensor.copy_(segment.view_as(tensor))
         return
     upper, lower = _triangle(tensor.shape[0], tensor.device)
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.new_empty(tensor.numel())
+    contiguous = tensor.is_contiguous()
+    flat = tensor.view(-1) if contiguous else tensor.new_empty(tensor.numel())
     flat.index_copy_(0, upper, segment)
     flat.index_copy_(0, lower, segment)
-    if flat.data_ptr() != tensor.data_ptr():  # a transposed or strided matrix: written back
+    if not contiguous:  # a transposed or strided matrix: filled aside, written back
         tensor.copy_(flat.view_as(tensor))
 
 
