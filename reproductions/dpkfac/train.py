@@ -35,7 +35,7 @@ from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 from core import KFACPreconditioner
-from core.config import ConfigError, check_number
+from core.config import FACTOR_INITS, ConfigError, check_choice, check_number
 from core.distributed import Communicator, average_gradients
 from core.preconditioner import discover_layers
 from core.timing import StageTimer
@@ -88,6 +88,9 @@ class TrainConfig:
         factor_decay: Weight of the old running factor (DP-KFAC code's ``stat_decay`` 0.95
             puts 0.95 on the new statistic, i.e. 0.05 here).
         kl_clip: KL-clip κ.
+        factor_init: Where the running factors start: "identity" (the DP-KFAC code's: the first
+            update gives ``0.05·I + 0.95·F_batch`` at factor decay 0.05) or "batch" (the first
+            batch's factors), :class:`~core.config.KFACConfig`'s field.
         factor_update_steps: Steps between factor updates.
         inv_update_steps: Steps between eigendecompositions.
         seed: Seeds initial weights and data order.
@@ -105,6 +108,7 @@ class TrainConfig:
     damping: float = 0.03
     factor_decay: float = 0.05
     kl_clip: float = 1e-3
+    factor_init: str = "identity"
     factor_update_steps: int = 1
     inv_update_steps: int = 1
     seed: int = 0
@@ -128,6 +132,7 @@ class TrainConfig:
             check_number(name, getattr(self, name), low=0.0, low_inclusive=False, **finite)
         for name in ("momentum", "factor_decay"):
             check_number(name, getattr(self, name), low=0.0, high=1.0, high_inclusive=False)
+        check_choice("factor_init", self.factor_init, FACTOR_INITS)
 
     def steps_per_epoch(self, train_size: int, world_size: int) -> int:
         """Steps per pass over ``train_size`` images with ``world_size`` workers (the tail
@@ -240,7 +245,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
         model, strategy=scheme.strategy, factor_scaling="dpkfac",
         **scheme.options_for(len(discover_layers(model, ())), ctx.world_size),
         inverse_method="eigen", damping=config.damping, factor_decay=config.factor_decay,
-        kl_clip=config.kl_clip, lr=schedule, factor_update_steps=config.factor_update_steps,
+        kl_clip=config.kl_clip, lr=schedule, factor_init=config.factor_init, factor_update_steps=config.factor_update_steps,
         inv_update_steps=config.inv_update_steps)
     communicator = (precond.strategy.communicator if precond is not None
                     else Communicator.from_torch())

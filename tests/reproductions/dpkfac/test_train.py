@@ -8,7 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
+from core.config import ConfigError
 from reproductions.common.checkpoint import list_checkpoints
 from reproductions.common.results import load_results
 from reproductions.dpkfac.train import DEFAULT_CONFIG, TrainConfig, batch_indices, main, run
@@ -175,3 +177,29 @@ def test_a_max_steps_below_the_checkpoint_is_refused_in_one_line(
         "--max-steps 3 or more to continue it, or another --run-dir (or delete this one) to "
         "start afresh")
     assert path.read_bytes() == before
+
+
+def test_factors_start_at_the_identity_as_the_dpkfac_code_does(tmp_path: Path) -> None:
+    """The DP-KFAC code's running factors start at I: one step from the same weights and batch
+    gives ``0.05·I + 0.95·F_batch`` where ``factor_init="batch"`` gives ``F_batch``."""
+    factors = {}
+    for init in ("identity", "batch"):
+        config = tmp_path / f"{init}.json"
+        config.write_text(json.dumps(asdict(TrainConfig(test_examples=100, factor_init=init))))
+        main(["--optimizer", "dp-kfac", "--workers", "1", "--config", str(config),
+              "--max-steps", "1", "--wandb", "disabled", "--out", str(tmp_path / init),
+              "--run-dir", str(tmp_path / f"run-{init}")])
+        saved = list_checkpoints(tmp_path / f"run-{init}" / "checkpoints"
+                                 / "fashion_mnist-dp-kfac" / "rank0")[-1]
+        factors[init] = torch.load(saved, weights_only=False)["precond"]["layers"]
+    assert len(factors["batch"]) == 4
+    for name, layer in factors["batch"].items():
+        for key in ("A", "G"):
+            batch = layer[key].double()
+            expected = 0.05 * torch.eye(len(batch), dtype=torch.float64) + 0.95 * batch
+            torch.testing.assert_close(factors["identity"][name][key].double(), expected)
+
+
+def test_an_unknown_factor_init_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="factor_init"):
+        TrainConfig(factor_init="zeros")
