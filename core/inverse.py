@@ -347,6 +347,10 @@ def _damped(m: Tensor, shift: float) -> tuple[Tensor, int]:
     exponent = 0
     if mean_diagonal > 0 and math.isfinite(mean_diagonal):
         exponent = 2 * round(math.log2(mean_diagonal) / 2)
+    # 2⁻ᵉ must be finite in the factor's dtype (a mean diagonal below float64's normal range
+    # overflowed the Python float): beyond it the factor is brought as near unit scale as it goes
+    limit = math.frexp(torch.finfo(m.dtype).max)[1] - 2  # even for every floating dtype
+    exponent = max(-limit, min(limit, exponent))
     if abs(exponent) <= RESCALE_EXPONENT:
         exponent = 0
     out = torch.empty_like(m, memory_format=torch.contiguous_format)

@@ -526,6 +526,24 @@ def test_damped_decompositions_hold_at_any_factor_scale(exponent: int,
         float(damped.diagonal().mean()) * 2.0**-applied, rel=1e-5)
 
 
+@pytest.mark.parametrize("method", ["inverse", "cholesky", "cholesky_solve"])
+def test_a_factor_below_the_normal_range_fails_as_a_decomposition(method: str) -> None:
+    """A float64 factor whose damped mean diagonal lies below 2⁻¹⁰²² (a damping the config
+    accepts, > 0) raised Python's OverflowError from the rescaling's 2⁻ᵉ, which escaped the
+    layer's keep-the-last-inverse handling; its inverse is beyond float64's range: a failed
+    decomposition. Scales as far as the dtype allows are exact and still taken."""
+    factor = 1e-310 * (torch.ones(3, 3, dtype=torch.float64) + torch.eye(3, dtype=torch.float64))
+    with pytest.raises(DecompositionError, match=method):
+        if method == "cholesky_solve":
+            damped_cholesky(factor, 1e-312, torch.float64)
+        else:
+            damped_inverse(factor, 1e-312, method, torch.float64)
+    matrix, applied = _damped(factor, 1e-312)
+    assert applied == -1022
+    torch.testing.assert_close(matrix, (factor + 1e-312 * torch.eye(3, dtype=torch.float64))
+                               * 2.0**1022, rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("where", [0, 7, -1])
 def test_all_finite_finds_one_non_finite_entry_anywhere(bad: float, where: int) -> None:
