@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -436,8 +437,15 @@ class BatchNormPreconditioner:
         self._capturing = self._update_due(self.steps)
 
     def remove_hooks(self) -> None:
-        """Detach from the model (the preconditioner stops capturing)."""
+        """Detach from the model: later forward passes are not captured (the gradients of
+        those already run still are, when they arrive; :meth:`discard_pending` drops them)."""
         self._hooks.remove()
+
+    def no_capture(self) -> AbstractContextManager[None]:
+        """A context in which forward passes add nothing to the statistics, whenever their
+        gradients are taken: an adversarial example's, an input-gradient penalty's or any
+        gradient the optimizer will not apply, on a forward pass of its own."""
+        return self._hooks.paused()
 
     def add_hooks(self) -> None:
         """Attach to the model again after :meth:`remove_hooks` (nothing if attached)."""

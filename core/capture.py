@@ -9,13 +9,16 @@ gradient for the same call (a second backward pass over one forward pass, or
 ``torch.autograd.grad`` before ``backward``) is passed on too, with a warning: the statistics
 take it as another call's, not as part of the one gradient the optimizer applies. A call's
 input is delivered when its output's gradient arrives, so a forward pass whose output never
-reaches a backward pass adds nothing to the statistics.
+reaches a backward pass adds nothing to the statistics; nor does one run while its hooks are
+paused (:meth:`HookSet.paused`), whose gradients (an adversarial example's, an input-gradient
+penalty's on a forward pass of its own) the optimizer never applies.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,8 +29,9 @@ from torch.utils.hooks import RemovableHandle
 class CaptureHooks:
     """Hooks that forward a module's inputs and output gradients to callbacks.
 
-    Capture happens only when ``enabled()`` is true, the module is in training mode and autograd
-    is recording, so evaluation passes never touch the curvature statistics.
+    Capture happens only when ``enabled()`` is true, the hooks are not :attr:`paused`, the
+    module is in training mode and autograd is recording, so evaluation passes never touch the
+    curvature statistics.
 
     Args:
         module: The layer to watch.
@@ -50,6 +54,9 @@ class CaptureHooks:
             row, where holding the input until the backward pass would defeat activation
             checkpointing).
     """
+
+    #: While true, forward calls are not captured (nor, later, their outputs' gradients).
+    paused: bool = False
 
     def __init__(
         self,
@@ -76,7 +83,7 @@ class CaptureHooks:
 
     def _forward_hook(self, module: nn.Module, inputs: tuple[Tensor, ...],
                       kwargs: dict[str, Any], output: Tensor) -> None:
-        if not (module.training and torch.is_grad_enabled() and self._enabled()):
+        if self.paused or not (module.training and torch.is_grad_enabled() and self._enabled()):
             return
         if not isinstance(output, Tensor):
             raise TypeError(
@@ -116,7 +123,7 @@ class CaptureHooks:
             "before backward); the curvature takes each gradient as a call of its own, not "
             "their sum, so it does not describe the gradient the optimizer applies: sum the "
             "losses and call backward once per forward pass, and take other gradients on a "
-            "separate forward pass", stacklevel=2)
+            "forward pass of their own inside the preconditioner's no_capture()", stacklevel=2)
 
     def remove(self) -> None:
         """Detach the hooks from the module."""
@@ -135,6 +142,7 @@ class HookSet:
 
     def __init__(self, attach: Callable[[], list[CaptureHooks]]) -> None:
         self._attach = attach
+        self._paused = False
         self._hooks = attach()
 
     def remove(self) -> None:
@@ -147,3 +155,21 @@ class HookSet:
         """Attach the hooks again (nothing if they are attached)."""
         if not self._hooks:
             self._hooks = self._attach()
+            self._pause(self._paused)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Capture nothing from the forward passes run inside: their outputs' gradients,
+        whenever they are taken, stay out of the statistics. Forward passes run before keep
+        theirs, even if their backward pass runs inside."""
+        before = self._paused
+        self._pause(True)
+        try:
+            yield
+        finally:
+            self._pause(before)
+
+    def _pause(self, paused: bool) -> None:
+        self._paused = paused
+        for hook in self._hooks:
+            hook.paused = paused

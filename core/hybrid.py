@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -214,6 +215,12 @@ class HybridSwitch:
             self.communicator.ledger.step += 1
         elif skip is not None:
             skip()
+
+    def no_capture(self) -> AbstractContextManager[None]:
+        """The wrapped preconditioner's ``no_capture()`` (forward passes run inside add
+        nothing to its statistics); nothing to pause once switched, or without one."""
+        inner = getattr(self.preconditioner, "no_capture", None)
+        return nullcontext() if inner is None else inner()
 
     def metrics(self) -> dict[str, float]:
         """The wrapped preconditioner's metrics (while it runs), the mode and the rate."""

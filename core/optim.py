@@ -21,6 +21,7 @@ them too.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import fields
 from typing import Any
 
@@ -135,6 +136,12 @@ class SecondOrderOptimizer:
         skip = getattr(self.preconditioner, "skip_step", None)
         if skip is not None:
             skip()
+
+    def no_capture(self) -> AbstractContextManager[None]:
+        """A context in which forward passes add nothing to the preconditioner's statistics
+        (an adversarial example's, a gradient penalty's forward pass of its own); nothing to
+        pause for first-order names."""
+        return nullcontext() if self.preconditioner is None else self.preconditioner.no_capture()
 
     def metrics(self) -> dict[str, float]:
         """The preconditioner's metrics and the base's learning rate."""

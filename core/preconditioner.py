@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -224,7 +225,9 @@ class KFACPreconditioner:
             raise RuntimeError(
                 f"{layer.name}: backward pass {passes} of one step with accumulation_steps="
                 f"{expected}; with factors_in_backward=True, set accumulation_steps to the "
-                "number of backward passes per preconditioner step")
+                "number of backward passes per preconditioner step, and run forward passes "
+                "whose gradients the optimizer does not apply (an adversarial example's) "
+                "inside no_capture()")
         if passes < expected or not self._reduces_factors():
             return
         if self._backward_reduction is None:
@@ -650,8 +653,15 @@ class KFACPreconditioner:
         self.strategy.set_step(self.steps)
 
     def remove_hooks(self) -> None:
-        """Detach from the model (the preconditioner stops capturing)."""
+        """Detach from the model: later forward passes are not captured (the gradients of
+        those already run still are, when they arrive; :meth:`discard_pending` drops them)."""
         self._hooks.remove()
+
+    def no_capture(self) -> AbstractContextManager[None]:
+        """A context in which forward passes add nothing to the statistics, whenever their
+        gradients are taken: an adversarial example's, an input-gradient penalty's or any
+        gradient the optimizer will not apply, on a forward pass of its own."""
+        return self._hooks.paused()
 
     def add_hooks(self) -> None:
         """Attach to the model again after :meth:`remove_hooks` (nothing if attached)."""

@@ -245,8 +245,8 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
         model, strategy=scheme.strategy, factor_scaling="dpkfac",
         **scheme.options_for(len(discover_layers(model, ())), ctx.world_size),
         inverse_method="eigen", damping=config.damping, factor_decay=config.factor_decay,
-        kl_clip=config.kl_clip, lr=schedule, factor_init=config.factor_init, factor_update_steps=config.factor_update_steps,
-        inv_update_steps=config.inv_update_steps)
+        kl_clip=config.kl_clip, lr=schedule, factor_init=config.factor_init,
+        factor_update_steps=config.factor_update_steps, inv_update_steps=config.inv_update_steps)
     communicator = (precond.strategy.communicator if precond is not None
                     else Communicator.from_torch())
     run_config = asdict(config) | {"optimizer": name, "world_size": ctx.world_size,

@@ -3,6 +3,7 @@ use (channels-last weights under a fused optimizer, weights computed by a parame
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from torch.nn.utils import parametrizations
 
 from core import EvaPreconditioner, KFACPreconditioner, MKORPreconditioner
 from core.batchnorm import BatchNormPreconditioner
+from core.optim import build_optimizer
 
 PRECONDITIONERS = [KFACPreconditioner, MKORPreconditioner, EvaPreconditioner]
 
@@ -166,3 +168,96 @@ def test_a_forward_pass_without_backward_leaves_the_statistics_alone(make: type)
         grads.append([p.grad.clone() for p in model.parameters()])
     for plain, with_extra in zip(*grads, strict=True):
         torch.testing.assert_close(with_extra, plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [*PRECONDITIONERS, BatchNormPreconditioner])
+def test_forward_passes_under_no_capture_stay_out_of_the_statistics(make: type) -> None:
+    """An adversarial example's gradient (a forward pass of its own, differentiated for its
+    input only) was captured as one more call of every layer, with no warning: K-FAC's step
+    moved by up to 43%. Inside ``no_capture()`` it adds nothing, while a training forward pass
+    run before the context keeps its capture even when its backward pass runs inside."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    grads = {}
+    for variant in ("plain", "paused", "unpaused"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))
+        precond = make(model)
+        for step in range(2):
+            model.zero_grad()
+            loss = F.mse_loss(model(x + step), y)
+            if variant == "plain":
+                loss.backward()
+            else:
+                with precond.no_capture() if variant == "paused" else contextlib.nullcontext():
+                    attacked = (3 * x).requires_grad_()
+                    torch.autograd.grad(F.mse_loss(model(attacked), y), attacked)
+                    loss.backward()
+            precond.step()
+        grads[variant] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(grads["paused"], grads["plain"], rtol=0, atol=0)
+    assert not torch.equal(grads["unpaused"], grads["plain"])  # the pass counts when not paused
+
+
+def test_no_capture_nests_and_holds_across_reattached_hooks() -> None:
+    """Hooks attached again inside the context (MKOR-H rolled back by a checkpoint) are
+    paused too, and the outer context still pauses after an inner one ends."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    precond = KFACPreconditioner(model)
+    with precond.no_capture():
+        precond.remove_hooks()
+        precond.add_hooks()
+        with precond.no_capture():
+            pass
+        F.mse_loss(model(torch.randn(6, 5)), torch.randn(6, 3)).backward()
+    assert all(not layer.captured_inputs for layer in precond.layers)
+    F.mse_loss(model(torch.randn(6, 5)), torch.randn(6, 3)).backward()
+    assert all(len(layer.captured_inputs) == 1 for layer in precond.layers)
+
+
+@pytest.mark.parametrize("name", ["sgd", "kfac", "mkor-h"])
+def test_the_optimizer_wrapper_pauses_its_preconditioner(name: str) -> None:
+    """``build_optimizer``'s optimizer passes ``no_capture()`` on (through MKOR-H's switch);
+    a first-order one has nothing to pause."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    optimizer = build_optimizer(name, model, lr=0.1)
+    inner = optimizer.preconditioner
+    while inner is not None and hasattr(inner, "preconditioner"):  # MKOR-H's switch
+        inner = inner.preconditioner
+    hooks = [] if inner is None else inner._hooks._hooks
+    assert len(hooks) == (0 if name == "sgd" else 2)
+    with optimizer.no_capture():
+        assert all(hook.paused for hook in hooks)
+    assert not any(hook.paused for hook in hooks)
+
+
+@pytest.mark.parametrize("make", PRECONDITIONERS)
+def test_a_model_materialised_after_its_preconditioner_was_built_trains_as_one_built_after(
+        make: type) -> None:
+    """A large model built on the meta device and materialised (``to_empty``) after its
+    preconditioner, or moved to a GPU after it: MKOR had made its identity inverses where the
+    weights were when it was built, and its first step failed ("Cannot copy out of meta
+    tensor"; on a GPU a device mismatch). Its state now follows the weights, as K-FAC's and
+    Eva's, built from the first captures, do: the steps equal those of a model built where it
+    trains."""
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    updated = []
+    for on_meta in (False, True):
+        with torch.device("meta" if on_meta else "cpu"):
+            model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        precond = make(model)
+        if on_meta:
+            model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for layer in (model[0], model[2]):
+            layer.reset_parameters()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            precond.step()
+            optimizer.step()
+        assert all(t.device.type == "cpu" for t in precond.state_dict()["layers"]["0"].values()
+                   if isinstance(t, torch.Tensor))
+        updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(updated[1], updated[0], rtol=0, atol=0)
