@@ -362,11 +362,27 @@ class MKORLayer(Rank1Layer):
         An update whose result is not finite in the storage dtype is skipped (the last inverse
         is kept) and counted in :attr:`update_failures`.
         """
+        self._follow_weight()
         self.a_vec, self.g_vec = a.clone(), g.clone()
         self.a_inv, self._a_peak = self._updated("R", self.a_inv, self._a_peak, a, gamma, rule,
                                                  epsilon, zeta)
         self.g_inv, self._g_peak = self._updated("L", self.g_inv, self._g_peak, g, gamma, rule,
                                                  epsilon, zeta)
+
+    def _follow_weight(self) -> None:
+        """Keep the inverse factors where the weight is: a model moved after its
+        preconditioner was built (materialised from the meta device, or moved to a GPU)
+        takes them along, as it does K-FAC's and Eva's statistics, which are built from the
+        first captures. Inverses built on the meta device are still ``I``: no step has
+        run there."""
+        device = self.device
+        if self.a_inv.device == device:
+            return
+        if self.a_inv.is_meta:
+            self.a_inv, self.g_inv = (torch.eye(dim, dtype=self.storage_dtype, device=device)
+                                      for dim in (self.a_dim, self.g_dim))
+        else:
+            self.a_inv, self.g_inv = self.a_inv.to(device), self.g_inv.to(device)
 
     def _updated(self, side: str, inverse: Tensor, peak: float | None, v: Tensor,
                  gamma: float, rule: str, epsilon: float, zeta: float
@@ -405,6 +421,7 @@ class MKORLayer(Rank1Layer):
     def precondition(self, grad: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """``L⁻¹ ∇W̄ R⁻¹`` in ``grad``'s dtype (the arithmetic dtype, or float64 for
         :meth:`rescaled_in_float64`), its products in ``dtype`` (default: ``grad``'s)."""
+        self._follow_weight()
         dtype = dtype or grad.dtype
         p = inverse_product(grad, self.g_inv.to(dtype), self.a_inv.to(dtype))
         return p.to(grad.dtype)
@@ -429,6 +446,7 @@ class MKORLayer(Rank1Layer):
                 "vectors": nbytes(self.a_vec, self.g_vec)}
 
     def state_dict(self) -> dict[str, Any]:
+        self._follow_weight()
         return {
             "a_inv": self.a_inv.clone(), "g_inv": self.g_inv.clone(),
             "a_vec": cloned(self.a_vec), "g_vec": cloned(self.g_vec),
