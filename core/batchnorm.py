@@ -49,7 +49,7 @@ from core.distributed.communicator import Communicator
 from core.factors import RunningFactor
 from core.hyper import Schedulable
 from core.inverse import DecompositionError, _with_fp64_retry
-from core.layer_base import StepLossScale, cloned, restored
+from core.layer_base import StepLossScale, cloned, outside_autocast, restored
 from core.layers import (
     UnsupportedLayerError,
     refuse_flat_sharding,
@@ -328,6 +328,7 @@ class BatchNormPreconditioner:
         return self.accumulation_steps / self.loss_scale.get()
 
     @torch.no_grad()
+    @outside_autocast
     def step(self) -> None:
         """Update the Fisher blocks when due, then precondition every layer's gradient."""
         if self._capturing:

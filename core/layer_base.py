@@ -4,8 +4,10 @@ methods' :class:`~core.rank1.Rank1Layer`), and the gradient prologue of every pr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from contextlib import ExitStack
+from typing import Any, ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -13,6 +15,26 @@ from torch import Tensor
 from core.factors import RunningFactor
 from core.inverse import all_finite
 from core.layers import LayerHelper
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def outside_autocast(step: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``step`` with autocast off: a preconditioner's step called inside the training
+    loop's autocast region ran its products in float16 or bfloat16 (K-FAC, whatever its
+    dtypes said) or failed on the mixed dtypes (MKOR's ``dot`` of a float32 vector and an
+    autocast product). The forward pass's capture is not affected."""
+
+    @functools.wraps(step)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with ExitStack() as stack:
+            for device_type in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device_type):
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            return step(*args, **kwargs)
+
+    return run
 
 
 def squared_norm(t: Tensor) -> Tensor:

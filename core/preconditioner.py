@@ -35,6 +35,7 @@ from core.layer_base import (
     check_saved_layers,
     finite_gradients,
     half_overflows,
+    outside_autocast,
     refuse_several_devices,
 )
 from core.layers import helper_for, refuse_flat_sharding
@@ -299,6 +300,7 @@ class KFACPreconditioner:
         return stage not in self.disabled_stages
 
     @torch.no_grad()
+    @outside_autocast
     def step(self) -> None:
         """Precondition the gradients of this step (call after ``backward``, before the optimizer).
         """

@@ -43,6 +43,7 @@ from core.layer_base import (
     check_saved_layers,
     finite_gradients,
     nbytes,
+    outside_autocast,
     refuse_several_devices,
 )
 from core.layers import LayerHelper, helper_for
@@ -284,6 +285,7 @@ class Rank1Preconditioner:
 
     # The step --------------------------------------------------------------------------------
     @torch.no_grad()
+    @outside_autocast
     def step(self) -> None:
         """Precondition this step's gradients (after ``backward``, before the optimizer).
 

@@ -261,3 +261,29 @@ def test_a_model_materialised_after_its_preconditioner_was_built_trains_as_one_b
                    if isinstance(t, torch.Tensor))
         updated.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(updated[1], updated[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [*PRECONDITIONERS, BatchNormPreconditioner])
+def test_a_step_inside_the_autocast_region_is_the_step_outside_it(make: type) -> None:
+    """A training loop that calls ``step()`` inside its autocast region: MKOR failed there
+    (its ``dot`` of a float32 vector with an autocast bfloat16 product) and K-FAC ran its
+    products in bfloat16. The step now runs with autocast off: the same gradients as a step
+    called outside the region."""
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    grads = []
+    for inside in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))
+        precond = make(model)
+        for _ in range(2):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(model(x).float(), y)
+                loss.backward()
+                if inside:
+                    precond.step()
+            if not inside:
+                precond.step()
+        assert not torch.is_autocast_enabled("cpu")
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
