@@ -894,11 +894,21 @@ class RunSpec:
         return workload, next(m for m in METHODS if m.name == self.method)
 
 
+def current_device(name: str) -> torch.device:
+    """The device ``name`` names, made the current one: the timing events, synchronisations
+    and memory counters of this script and of ``core.timing`` act on the current GPU (with
+    ``cuda:1`` they read an idle ``cuda:0``)."""
+    device = resolve_device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def measure_method(spec: RunSpec) -> tuple[MethodRun, int]:
     """A method's run on a workload and the peak memory of the base optimizer's first steps,
     both in this process (which :func:`measure_isolated` makes a fresh one)."""
     torch.set_num_threads(spec.threads)
-    device = torch.device(spec.device)
+    device = current_device(spec.device)
     workload, method = spec.resolve()
     clock, memory = Clock(device), MemoryProbe(device)
 
@@ -1421,7 +1431,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return out
     torch.set_num_threads(args.threads)
     freed_memory = memory_policy(not args.release_freed_memory)
-    device = resolve_device(args.device)
+    device = current_device(args.device)
     clock = Clock(device)
     use_autocast = device.type == "cuda" and not args.no_autocast
     names = args.workloads or (QUICK if args.quick else FULL)

@@ -32,6 +32,9 @@ def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
         monkeypatch.setattr("core.factors.HOST_SYRK", False)
         monkeypatch.setattr("core.inverse.HOST_IN_PLACE", False)
         return "cpu"
+    if request.param == "cuda":  # fp32 products in fp32: TF32 (Ampere on) errs by ~1e-3
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     return str(request.param)
 
 
