@@ -26,7 +26,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -208,19 +208,12 @@ class BatchNormBlock:
         for param, value in ((self.module.weight, gamma), (self.module.bias, beta)):
             param.grad = value.reshape(param.shape).to(param.dtype).contiguous()
 
-    def update(self, batch: Tensor, decay: float, damping: float) -> None:
-        """Blend a batch of Fisher blocks into the running average and re-invert it.
-
-        A non-finite batch (a NaN or Inf activation or gradient) is skipped, counted and
-        reported; the running blocks and the last good inverse stay as they were.
-        """
-        if not bool(torch.isfinite(batch).all()):
-            self.nonfinite_skips += 1
-            warnings.warn(f"{self.name}: non-finite Fisher batch skipped "
-                          f"({self.nonfinite_skips} so far)", stacklevel=2)
-            return
-        self.fisher.update(batch, decay)
-        self.update_inverse(damping)
+    def skip_nonfinite(self) -> None:
+        """Count and report a non-finite batch (a NaN or Inf activation or gradient), which
+        is skipped: the running blocks and the last good inverse stay as they were."""
+        self.nonfinite_skips += 1
+        warnings.warn(f"{self.name}: non-finite Fisher batch skipped "
+                      f"({self.nonfinite_skips} so far)", stacklevel=3)
 
     def update_inverse(self, damping: float) -> None:
         """Recompute ``(F + λI)⁻¹``; on failure keep the last good inverse and count it."""
@@ -231,7 +224,7 @@ class BatchNormBlock:
         except DecompositionError as err:
             self.failures += 1
             warnings.warn(f"{self.name}: {err}; keeping the last good inverse "
-                          f"({self.failures} failures so far)", stacklevel=2)
+                          f"({self.failures} failures so far)", stacklevel=3)
 
     def preconditioned(self) -> Tensor | None:
         """``(F + λI)⁻¹ ∇`` as block vectors, or None without a gradient or an inverse (its
@@ -334,13 +327,40 @@ class BatchNormPreconditioner:
         if self._capturing:
             batches = self._average_across_ranks(
                 [block.fisher.take_batch() for block in self.blocks])
-            decay = hyper_at("factor_decay", self.factor_decay, self.steps)
-            damping = hyper_at("damping", self.damping, self.steps)
-            for block, batch in zip(self.blocks, batches, strict=True):
-                if batch is not None:  # a layer no rank ran this step keeps its blocks
-                    block.update(batch, decay, damping)
+            self._update(batches, hyper_at("factor_decay", self.factor_decay, self.steps),
+                         hyper_at("damping", self.damping, self.steps))
         self._precondition()
         self._end_step()
+
+    def _update(self, batches: list[Tensor | None], decay: float, damping: float) -> None:
+        """Blend each finite batch into its layer's running blocks (a layer no rank ran this
+        step keeps its blocks) and invert the updated layers' blocks, all of one size
+        together: one host transfer checks every batch, and one inversion (its success
+        checked once) serves them all, where three per layer stalled a GPU's kernel
+        launches at every BatchNorm layer. Should a batch of them fail, each layer is
+        inverted alone, so that only the failing ones keep their last inverse."""
+        present = [(block, batch) for block, batch in zip(self.blocks, batches, strict=True)
+                   if batch is not None]
+        finite = (torch.stack([batch.isfinite().all() for _, batch in present]).tolist()
+                  if present else [])
+        by_size: dict[int, list[BatchNormBlock]] = {}
+        for (block, batch), ok in zip(present, finite, strict=True):
+            if not ok:
+                block.skip_nonfinite()
+                continue
+            block.fisher.update(batch, decay)
+            by_size.setdefault(batch.shape[-1], []).append(block)
+        for group in by_size.values():
+            blocks = [cast(Tensor, block.fisher.value) for block in group]  # just updated
+            try:
+                inverses = damped_block_inverse(torch.cat(blocks), damping, torch.float32)
+            except DecompositionError:
+                for block in group:
+                    block.update_inverse(damping)
+                continue
+            for block, inverse in zip(group, inverses.split([len(b) for b in blocks]),
+                                      strict=True):
+                block.inverse = inverse
 
     def _precondition(self) -> None:
         """Replace every layer's gradient by its preconditioned one where that is finite (the

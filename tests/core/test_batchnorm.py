@@ -276,3 +276,32 @@ def test_a_layer_with_gamma_or_beta_frozen_is_left_first_order_with_a_warning() 
     raw = net[1].weight.grad.clone()
     bn.step()
     assert torch.equal(net[1].weight.grad, raw)
+
+
+def test_layers_are_inverted_together_and_a_failing_one_alone_keeps_its_last_inverse() -> None:
+    """Every updated layer's blocks are inverted in one batch (three host reads per layer
+    stalled a GPU before); each inverse is still its own layer's ``(F + λI)⁻¹``, and a layer
+    whose blocks cannot be inverted keeps its last inverse, counted and named, while the
+    others are inverted."""
+    model = make_model()
+    x, y = batch()
+    precond = BatchNormPreconditioner(model, mode="unit", damping=0.1, factor_decay=0.99)
+    F.cross_entropy(model(x), y).backward()
+    precond.step()
+    first, second = precond.blocks
+    for block in (first, second):
+        fisher = block.fisher.value.double()
+        eye = torch.eye(fisher.shape[-1], dtype=torch.float64)
+        torch.testing.assert_close(block.inverse.double(), torch.linalg.inv(fisher + 0.1 * eye),
+                                   rtol=1e-5, atol=1e-6)
+    kept = first.inverse.clone()
+    first.fisher.value = -100 * torch.eye(2).expand_as(first.fisher.value).clone()
+    model.zero_grad()
+    F.cross_entropy(model(x + 1), y).backward()
+    with pytest.warns(UserWarning, match=f"{first.name}: cholesky failed.*keeping the last"):
+        precond.step()
+    assert torch.equal(first.inverse, kept) and (first.failures, second.failures) == (1, 0)
+    fisher = second.fisher.value.double()
+    torch.testing.assert_close(second.inverse.double(),
+                               torch.linalg.inv(fisher + 0.1 * torch.eye(2, dtype=torch.float64)),
+                               rtol=1e-5, atol=1e-6)
