@@ -25,6 +25,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -248,6 +249,26 @@ def load_results(path: Path) -> dict[str, Any]:
     except ResultsError as exc:
         raise ResultsError(f"{path}: {exc}") from None
     return data
+
+
+def earlier_results(path: Path) -> dict[str, Any] | None:
+    """What a run being resumed wrote to ``path``, or None if it wrote nothing readable.
+
+    A file that cannot be read (cut short by a full disk, edited by hand) is passed over with
+    a warning: the run's newest checkpoint holds its results up to that step, and the resumed
+    run writes the file again. :data:`RESULTS_FIX` does not apply to a run's own output,
+    which git does not keep, and rerunning without ``--resume`` would drop its checkpoints.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return load_results(path)
+    except ResultsError as err:
+        problem = str(err).removesuffix(f" Fix: {RESULTS_FIX}").rstrip(".")
+        warnings.warn(f"{problem}; the run continues from its newest checkpoint, which holds "
+                      "its results, and writes the file again", stacklevel=2)
+        return None
 
 
 def check_comparable(runs: Sequence[tuple[Path, dict[str, Any]]], *, free: Iterable[str],

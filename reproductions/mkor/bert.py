@@ -4,7 +4,7 @@ Reproduces the comparison of Mozaffari et al., "MKOR" (NeurIPS 2023), Tables 2-3
 language model + next-sentence pre-training (phase 2), every optimizer from the same weights, on
 the same batches with the same seed, each second-order method feeding LAMB as the paper does.
 
-    python -m reproductions.mkor.bert                      # the built-in CPU default (~5-10 min)
+    python -m reproductions.mkor.bert                      # the built-in CPU default (~17 min)
     python -m reproductions.mkor.bert --config bert_large_phase2 --corpus /data/wiki/*.parquet
     torchrun --nproc_per_node=4 -m reproductions.mkor.bert --config bert_large_phase2 ...
 
@@ -61,7 +61,7 @@ from reproductions.common.launch import (
     main_process_first,
     seed_everything,
 )
-from reproductions.common.results import RunRecorder, load_results
+from reproductions.common.results import RunRecorder, earlier_results
 from reproductions.common.rng import capture_rng_state, restore_rng_state
 from reproductions.common.tracking import Tracker, add_wandb_argument
 from reproductions.mkor import data
@@ -401,8 +401,8 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
     resume = args.resume or ctx.restarts > 0
     if resume:
         adopt_single_process_checkpoints(here / "checkpoints", ctx)
-    if resume and results_path.exists():
-        done = load_results(results_path)
+    done = earlier_results(results_path) if resume else None
+    if done is not None:
         require_same_config(done["config"], run_config, here, together=False, **RESUME_CHECK)
         if done["finished"] and done["steps"] and done["steps"][-1]["step"] == cfg.steps - 1:
             return done
@@ -528,6 +528,8 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
                         raw_model.save_pretrained(tmp)
                         tokenizer.save_pretrained(tmp)
             checkpoint(done)
+    if start == end and ctx.is_main:  # resumed at its last checkpoint, its results file lost
+        recorder.write(results_path)
     progress.close()
     tracker.finish()
     return recorder.data

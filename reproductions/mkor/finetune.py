@@ -38,7 +38,7 @@ from reproductions.common.checkpoint import (
 )
 from reproductions.common.cli import device_name, float_in, positive_int
 from reproductions.common.launch import init_distributed, seed_everything
-from reproductions.common.results import RunRecorder, load_results
+from reproductions.common.results import RunRecorder, earlier_results
 from reproductions.common.rng import capture_rng_state, restore_rng_state
 from reproductions.common.tracking import Tracker, add_wandb_argument
 from reproductions.mkor.model import describe_load_error
@@ -174,8 +174,8 @@ def fine_tune(model: nn.Module, train: Dataset, collate: Callable[[list[dict]], 
     here = args.out / task / label
     ckpt_dir, results_path = here / "checkpoints", here / "results.json"
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    if args.resume and results_path.exists():
-        done = load_results(results_path)
+    done = earlier_results(results_path) if args.resume else None
+    if done is not None:
         require_same_config(done["config"], config, here, **RESUME_CHECK)
         if done["finished"]:
             return done
@@ -256,6 +256,8 @@ def fine_tune(model: nn.Module, train: Dataset, collate: Callable[[list[dict]], 
                 tracker.summary(scores)
         if done % args.checkpoint_every == 0 or done % steps_per_epoch == 0 or done == end:
             checkpoint(done)
+    if start == end:  # resumed at its last checkpoint, its results file lost
+        recorder.write(results_path)
     progress.close()
     tracker.finish()
     if recorder.data["finished"]:

@@ -72,6 +72,28 @@ def test_resume_gives_the_same_losses(run_args: list[str], tmp_path: Path) -> No
         assert len(b["steps"]) == 4 and b["finished"]
 
 
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_finished_runs_lost_results_file_is_rebuilt_from_its_checkpoint_on_resume(
+        run_args: list[str], tmp_path: Path, damage: str) -> None:
+    """A finished run whose results file was cut short stopped ``--resume`` with a fix that
+    could not work (restore it from git: runs/ is not kept there; rerun: that drops the
+    checkpoints), and one resumed without the file ran no step and never wrote it again. Its
+    final checkpoint holds the results: the file is written again, as it was."""
+    common = [*run_args, "--optimizers", "lamb", "--steps", "2", "--wandb", "disabled"]
+    bert.main(common)
+    path = tmp_path / "out" / "tiny" / "lamb-s0" / "results.json"
+    before = load_results(path)
+    if damage == "truncated":
+        path.write_text(path.read_text()[:100])
+        with pytest.warns(UserWarning, match="not valid JSON.*continues from its newest "
+                                             "checkpoint"):
+            bert.main([*common, "--resume"])
+    else:
+        path.unlink()
+        bert.main([*common, "--resume"])
+    assert load_results(path) == before
+
+
 def test_resume_refuses_a_run_of_other_settings(run_args: list[str], tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """``--resume`` with another learning rate stops in one line naming it, for an unfinished

@@ -357,3 +357,18 @@ def test_squad_scoring_and_spans(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not SQuAD v1.1"):
         (tmp_path / "bad.json").write_text('{"data": [{"paragraphs": [{}]}]}')
         squad.read_squad(tmp_path / "bad.json")
+
+
+def test_a_finished_runs_unreadable_results_file_is_written_again_on_resume(
+        model_dir: Path, tmp_path: Path) -> None:
+    """A results file cut short after the run finished: ``--resume`` passes over it with a
+    warning (its fix had been to restore it from git, which does not keep runs), finds the
+    final checkpoint, and writes the file again as it was."""
+    glue_dir = rte_data(tmp_path / "glue_data")
+    args = ["--task", "rte", *common_args(glue_dir, model_dir, tmp_path / "o")]
+    finished = glue.main(args)
+    path = tmp_path / "o" / "glue-rte" / "mkor-s0" / "results.json"
+    path.write_text(path.read_text()[:50])
+    with pytest.warns(UserWarning, match="not valid JSON"):
+        again = glue.main([*args, "--resume"])
+    assert again["steps"] == finished["steps"] and load_results(path)["steps"] == again["steps"]
