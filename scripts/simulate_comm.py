@@ -15,6 +15,7 @@ the same communicator.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from statistics import mean
 
 import torch
@@ -22,7 +23,7 @@ import torchvision
 from torch import nn
 
 from core.distributed import Communicator, SimulationReport, simulate
-from reproductions.common.cli import exit_on_user_error, float_in, positive_int
+from reproductions.common.cli import exit_on_user_error, float_in
 
 STRATEGIES = ("d-kfac", "comm-opt", "hybrid-opt", "mem-opt", "osawa", "dp-kfac")
 STAGES = ("factor_comm", "inverse_comm", "grad_comm")
@@ -102,7 +103,7 @@ def table(title: str, model: nn.Module, world_size: int, options: dict[str, obje
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=_at_least_two, default=64)
     parser.add_argument("--grad-worker-fraction", type=float_in(0.0, 1.0, low_inclusive=False),
@@ -115,7 +116,7 @@ def main() -> None:
     parser.add_argument("--prediv-eigenvalues", action="store_true",
                         help="keep and send 1/(d_G d_Aᵀ + λ) instead of the eigenvalues "
                         "(KAISA's default)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     options: dict[str, object] = {"symmetry_aware": args.symmetry_aware,
                                   "comm_dtype": args.comm_dtype,
                                   "prediv_eigenvalues": args.prediv_eigenvalues}
@@ -129,7 +130,10 @@ def main() -> None:
 
 def _at_least_two(text: str) -> int:
     """An argparse ``type``: a world size of two ranks or more (one communicates nothing)."""
-    value = positive_int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 2") from None
     if value < 2:
         raise argparse.ArgumentTypeError(f"{value} is not >= 2 (one process communicates "
                                          "nothing)")

@@ -239,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{paper.slug}: no rebuilt tables committed; nothing logged")
                 continue
             run = log_tables(paper, tables, args.dir, mode)
+            where = ("nothing written" if mode == "disabled"
+                     else f"files in {Path(run.dir).parent}")
             print(f"{paper.slug}: {len(tables)} tables logged to {project_name(paper.slug)}/"
-                  f"{TABLES_GROUP} ({mode}; files in {Path(run.dir).parent})")
+                  f"{TABLES_GROUP} ({mode}; {where})")
         return 0
 
     if not wandb_logged_in():

@@ -156,3 +156,12 @@ def test_an_option_of_the_other_command_is_refused(capsys: pytest.CaptureFixture
             main(argv)
         assert info.value.code == 2
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_tables_logged_with_w_b_disabled_name_no_files(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Disabled, W&B writes nothing; the line named a folder that did not exist."""
+    assert main(["tables", "--mode", "disabled", "--dir", str(tmp_path), "--paper", "mkor"]) == 0
+    out = capsys.readouterr().out
+    assert "(disabled; nothing written)" in out and "files in" not in out
+    assert not (tmp_path / "wandb").exists()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch import nn
 
-from scripts.simulate_comm import table
+from scripts.simulate_comm import main, table
 
 WORLD = 4
 DIMS = [(1024, 512), (513, 256)]  # (a, g): Linear(1023, 512), Linear(512, 256), with biases
@@ -30,3 +31,13 @@ def test_pre_divided_eigenvalues_add_a_times_g_to_comm_opts_state_broadcast() ->
         text = table("tiny", model, WORLD, {"prediv_eigenvalues": prediv}, torch.float32, 0.5)
         assert _inverse_comm_mean(text, "comm-opt") == expected[prediv]
     assert expected[True] != expected[False]
+
+
+def test_a_world_size_below_two_names_the_minimum_at_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--world-size 0`` said ``0 is not >= 1``, and ``1`` then ``1 is not >= 2``."""
+    for value in ("0", "1", "two"):
+        with pytest.raises(SystemExit) as info:
+            main(["--world-size", value])
+        assert info.value.code == 2
+        assert ">= 2" in capsys.readouterr().err
