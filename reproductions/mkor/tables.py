@@ -233,8 +233,10 @@ def complexity_table(dims: Sequence[int], world_size: int, kfac_ranks: int) -> T
             "this CPU's (single process, best of 3) and only their growth with d is comparable "
             "with the paper's column. The paper's computation column counts the update; "
             "preconditioning, a product of d x d matrices for K-FAC and MKOR, is shown "
-            "separately. SNGD (HyLo) is not implemented here. d = 1024 is BERT-Large's hidden "
-            "size."))
+            "separately. SNGD (HyLo) is not implemented here. The paper's SGD (Momentum) row "
+            "(no second-order work or communication; O(d²) memory, its momentum buffer, which "
+            "the second-order methods' base optimizers hold too) is not rebuilt. d = 1024 is "
+            "BERT-Large's hidden size."))
 
 
 def _memory_rows(model_label: str, costs: Mapping[str, Cost], first: str,
