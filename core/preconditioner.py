@@ -177,8 +177,8 @@ class KFACPreconditioner:
                             dtype=self.inverse_dtype)
         self.strategy.set_step(0)
         self._capturing = self._factor_update_due(0)
-        params = list(model.parameters())
-        self.timer = StageTimer(device_events=bool(params) and params[0].is_cuda)
+        self.timer = StageTimer(device_events=lambda: any(
+            layer.device.type == "cuda" for layer in self.layers[:1]))
         # factors_in_backward: the reduction its hooks started, the backward passes each layer
         # has folded, the layers whose factors are staged and those already handed over, this
         # step. Layers are handed over in one order on every rank, reverse model order (the

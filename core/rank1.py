@@ -252,8 +252,8 @@ class Rank1Preconditioner:
         if not self.layers:
             warnings.warn(f"{type(self).__name__} found no supported layers (Linear, Conv2d); "
                           "step() leaves every gradient first-order", stacklevel=2)
-        params = list(model.parameters())
-        self.timer = StageTimer(device_events=bool(params) and params[0].is_cuda)
+        self.timer = StageTimer(device_events=lambda: any(
+            layer.device.type == "cuda" for layer in self.layers[:1]))
         self._capturing = self._update_due(0)
         self._hooks = HookSet(lambda: [self._register(layer) for layer in self.layers])
 

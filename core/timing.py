@@ -95,7 +95,10 @@ class StageTimer:
     next stage and wait for collectives left running in the background.
 
     Args:
-        device_events: Time stages by device events (on a GPU) instead of the host clock.
+        device_events: Time stages by device events (on a GPU) instead of the host clock; or
+            a callable saying so, asked at each step's first stage (a preconditioner asks
+            where its layers are, so a model moved to a GPU after it was built is timed
+            there).
         clock: Host seconds now; wall clock by default. A benchmark on a shared CPU may pass
             ``time.process_time``, which does not count time slices other processes take.
         event_factory: Makes one timing event (a CUDA event by default; tests pass fakes).
@@ -105,10 +108,11 @@ class StageTimer:
         last: Seconds per stage of the last completed step.
     """
 
-    def __init__(self, device_events: bool = False,
+    def __init__(self, device_events: bool | Callable[[], bool] = False,
                  clock: Callable[[], float] = time.perf_counter,
                  event_factory: Callable[[], DeviceEvent] = cuda_timing_event) -> None:
-        self.device_events = device_events
+        self._events_rule = device_events
+        self._step_events: bool | None = None
         self.clock = clock
         self.event_factory = event_factory
         self._totals: dict[str, float] = defaultdict(float)
@@ -116,6 +120,14 @@ class StageTimer:
         self.current: dict[str, float] = defaultdict(float)
         self._open: list[tuple[str, DeviceEvent, DeviceEvent]] = []
         self._unread: list[list[tuple[str, DeviceEvent, DeviceEvent]]] = []
+
+    @property
+    def device_events(self) -> bool:
+        """Whether the current step's stages are timed by device events."""
+        if self._step_events is None:
+            rule = self._events_rule
+            self._step_events = rule() if callable(rule) else rule
+        return self._step_events
 
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
@@ -143,7 +155,8 @@ class StageTimer:
     def end_step(self) -> None:
         """Close the current step: its per-stage times become :attr:`last` (with device
         events, once they are read)."""
-        if not self.device_events:
+        events, self._step_events = self.device_events, None  # the next step decides anew
+        if not events:
             self._last = {name: self.current.get(name, 0.0) for name in STAGES}
             self.current = defaultdict(float)
             return

@@ -131,3 +131,28 @@ def test_traced_calls_and_stages_are_named_in_a_profile_and_cost_nothing_outside
     (double,) = [e for e in profile.events() if e.name == "core.double"]
     assert double.cpu_parent is not None and double.cpu_parent.name == "core.stage.factors"
     assert timer.current["factors"] > 0
+
+
+def test_a_timer_asked_where_to_time_decides_at_each_steps_first_stage() -> None:
+    """A model moved to a GPU after its preconditioner was built was timed by the host clock
+    (launch times of asynchronous work), decided once when the timer was made. A callable rule
+    is asked at each step's first stage: the step after the move is timed by device events."""
+    clock, events, log = FakeClock(), [], []
+    on_gpu = [False]
+    now = [0.0]
+
+    def make() -> FakeEvent:
+        events.append(FakeEvent(clock, log))
+        return events[-1]
+
+    timer = StageTimer(device_events=lambda: on_gpu[0], clock=lambda: now[0],
+                       event_factory=make)
+    with timer.stage("factors"):
+        now[0] += 2.0
+        on_gpu[0] = True  # moved within the step: the step keeps its decision
+    with timer.stage("precondition"):
+        now[0] += 1.0
+    timer.end_step()
+    assert events == [] and timer.last["factors"] == 2.0 and timer.last["precondition"] == 1.0
+    _step(timer, clock, {"factors": 4.0})
+    assert len(events) == 2 and timer.last["factors"] == pytest.approx(4e-3)
