@@ -33,6 +33,7 @@ Conventions kept from Eva's code, because its damping values are tuned against t
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -236,13 +237,23 @@ class EvaPreconditioner(Rank1Preconditioner):
             self.last_kl_scale = 1.0
             return
         values = torch.stack(sums).tolist()
-        ready = unaliased(ready)
-        coefficients, kl_sum = [], 0.0
-        for s, squared, norm_product in zip(values[0::3], values[1::3], values[2::3],
-                                            strict=True):
+        kept, out_of_range, coefficients, kl_sum = [], [], [], 0.0
+        for (layer, parts), s, squared, norm_product in zip(
+                ready, values[0::3], values[1::3], values[2::3], strict=True):
             coefficient = s / (norm_product + damping)
-            coefficients.append(coefficient)
-            kl_sum += (squared - coefficient * s) / damping
+            term = (squared - coefficient * s) / damping
+            # an overflowed ‖ā‖²‖ḡ‖² would make c = 0 (P = ∇W̄/λ, silently), an overflowed s NaN
+            if all(map(math.isfinite, (s, squared, norm_product, coefficient, term))):
+                kept.append((layer, parts))
+                coefficients.append(coefficient)
+                kl_sum += term
+            else:
+                out_of_range.append(layer)
+        self._leave_first_order(out_of_range)
+        ready = unaliased(kept)
+        if not ready:
+            self.last_kl_scale = 1.0
+            return
         scale = 1.0
         if self.config.kl_clip is not None:
             scale = kl_clip_scale(kl_sum, self._hyper("lr"), self._hyper("kl_clip"))
@@ -253,6 +264,20 @@ class EvaPreconditioner(Rank1Preconditioner):
             layer.helper.add_outer_to_grad(parts, g, a, beta=scale / damping,
                                            alpha=-scale * coefficient / damping)
         self._restore_half_overflows(dict(ready))
+
+    def _leave_first_order(self, layers: list[EvaLayer]) -> None:
+        """Count and report the layers whose closed form left the statistics' dtype's range
+        this step (gradients or vectors near its end, as in a diverging step): their raw
+        gradients stay, and the KL clip sums over the other layers."""
+        if not layers:
+            return
+        for layer in layers:
+            layer.nonfinite_preconditioned += 1
+        total = sum(x.nonfinite_preconditioned for x in self.layers)
+        warnings.warn(f"Eva's closed form for {', '.join(x.name for x in layers)} is not finite "
+                      f"in {self.dtype} (gradients or statistics near the end of its range); "
+                      f"left first-order this step ({total} layer-steps so far): lower the "
+                      "learning rate, or check the loss scale", stacklevel=4)
 
     def _restore_half_overflows(self, raw: dict[EvaLayer, tuple[Tensor, Tensor | None]]
                                 ) -> None:

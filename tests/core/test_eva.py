@@ -265,3 +265,34 @@ def test_metrics_report_the_damping_the_last_step_used() -> None:
         model(torch.randn(5, 4, dtype=F64)).square().sum().backward()
         eva.step()
     assert eva.metrics()["damping"] == pytest.approx(0.05)
+
+
+def test_a_closed_form_beyond_float32_leaves_the_layer_first_order_counted() -> None:
+    """Finite gradients of about 1e20 (a diverging step, a loss scaled up) overflow
+    ``‖ā‖²‖ḡ‖²`` in float32: the coefficient came out NaN (or 0, dropping the rank-1 term),
+    the KL sum NaN, its clip off, and NaN was written into every ``.grad``, nothing counted.
+    Such a layer now keeps its raw gradient, with a warning and a count; the step after is
+    preconditioned again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    eva = EvaPreconditioner(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    for scale in (1.0, 1e21, 1.0):
+        model.zero_grad()
+        (F.mse_loss(model(x), y) * scale).backward()
+        raw = [p.grad.clone() for p in model.parameters()]
+        if scale == 1.0:
+            eva.step()
+            params = model.parameters()
+            assert not any(torch.equal(r, p.grad) for r, p in zip(raw, params, strict=True))
+            continue
+        with pytest.warns(UserWarning, match="Eva's closed form for .* is not finite"):
+            eva.step()
+        for r, p in zip(raw, model.parameters(), strict=True):
+            assert torch.isfinite(r).all()
+            assert torch.equal(p.grad, r) or torch.isfinite(p.grad).all()
+        out_of_range = [layer for layer in eva.layers if layer.nonfinite_preconditioned]
+        assert out_of_range and eva.metrics()["nonfinite_preconditioned"] == len(out_of_range)
+        for layer in out_of_range:
+            assert torch.equal(layer.helper.module.weight.grad,
+                               raw[2 * eva.layers.index(layer)])
