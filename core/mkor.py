@@ -118,8 +118,8 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
     """The terms of one rank-1 update of ``inverse`` (see :func:`update_inverse`).
 
     One matrix-vector product reads ``L⁻¹``; the rest is vector work, whose two reductions
-    (``vᵀu`` and ``max |u|``) reach the host in one transfer, so the scalar arithmetic runs
-    there in float64.
+    (``vᵀu``, taken in float64, and ``max |u|``) reach the host in one transfer, so the scalar
+    arithmetic runs there in float64.
     """
     if rule not in UPDATE_RULES:
         raise ValueError(f"unknown update rule {rule!r}")
@@ -132,7 +132,10 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
         u.mul_(weight)
     if rest:
         u.add_(v, alpha=rest)
-    low, high, quad = torch.stack([*torch.aminmax(u), torch.dot(v, u)]).tolist()
+    # vᵀu in float64: it overflows float32 from |v| near 2⁶⁴ (a diverging step's statistics),
+    # and an infinite one made the rank-1 coefficient 0, a finite but wrong inverse
+    quad = torch.dot(v.double(), u.double())
+    low, high, quad = torch.stack([*torch.aminmax(u.double()), quad]).tolist()
     if rule == "official":
         scale, shift = weight, rest
         numerator, denominator = -1.0, 1.0 + quad
