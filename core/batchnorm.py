@@ -363,12 +363,13 @@ class BatchNormPreconditioner:
                 block.inverse = inverse
 
     def _precondition(self) -> None:
-        """Replace every layer's gradient by its preconditioned one where that is finite (the
-        others keep theirs), read for all layers in one host transfer: one per layer stalled
-        a GPU's kernel launches at every BatchNorm layer, every step."""
+        """Replace every layer's gradient by its preconditioned one where that is finite in the
+        parameters' dtype (the others keep theirs), read for all layers in one host transfer:
+        one per layer stalled a GPU's kernel launches at every BatchNorm layer, every step."""
         results = [(block, result) for block in self.blocks
                    if (result := block.preconditioned()) is not None]
-        finite = (torch.stack([result.isfinite().all() for _, result in results]).tolist()
+        finite = (torch.stack([result.to(block.module.weight.dtype).isfinite().all()
+                               for block, result in results]).tolist()  # as written: in fp16
                   if results else [])
         for (block, result), ok in zip(results, finite, strict=True):
             if ok:

@@ -305,3 +305,16 @@ def test_layers_are_inverted_together_and_a_failing_one_alone_keeps_its_last_inv
     torch.testing.assert_close(second.inverse.double(),
                                torch.linalg.inv(fisher + 0.1 * torch.eye(2, dtype=torch.float64)),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_float16_layers_result_beyond_its_range_leaves_its_gradient_raw() -> None:
+    """The check ran in float32 and the result was then cast into the float16 gradient:
+    ``inf`` was written (a damping near 1e-12 makes the inverse that large)."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(2).half()
+    precond = BatchNormPreconditioner(bn, damping=1e-12, mode="unit")
+    (bn(torch.randn(4, 2, 3, 3).half()).float() * 3e-7).sum().backward()
+    raw = [bn.weight.grad.clone(), bn.bias.grad.clone()]
+    precond.step()
+    assert torch.equal(bn.weight.grad, raw[0]) and torch.equal(bn.bias.grad, raw[1])
+    assert precond.metrics()["bn/preconditioned_layers"] == 0.0
