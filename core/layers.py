@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,11 +192,21 @@ class LayerHelper:
             raise UnsupportedLayerError(
                 f"a {type(self.module).__name__} layer's gradient is sharded (DTensor, from "
                 f"FSDP's fully_shard or tensor parallelism); {SHARDED_FIX}")
-        weight = grad.reshape(self.g_dim, -1)
+        weight = self.weight_matrix(grad)
         if not self.has_bias:
             return weight, None
         bias = self.bias
         return weight, torch.zeros_like(bias) if bias.grad is None else bias.grad
+
+    def weight_matrix(self, tensor: Tensor) -> Tensor:
+        """A weight-shaped tensor (its gradient) as the ``(g_dim, a_dim − bias)`` matrix of
+        ``∇W̄``'s layout, a view."""
+        return tensor.reshape(self.g_dim, -1)
+
+    def as_weight(self, matrix: Tensor) -> Tensor:
+        """The inverse of :meth:`weight_matrix`: a ``(g_dim, a_dim − bias)`` matrix in the
+        weight's shape (a view where the layout allows)."""
+        return matrix.reshape(self.weight.shape)
 
     def grad_matrix(self) -> Tensor | None:
         """``∇W̄ = [∇W | ∇b]`` as a ``(g_dim, a_dim)`` matrix, or None if there is no gradient."""
@@ -222,13 +233,13 @@ class LayerHelper:
         (:func:`_in_layout`).
         """
         weight = self.weight
-        w_cols = weight[0].numel()
+        w_cols = self.a_dim - int(self.has_bias)
         if not self.has_bias:
             if scale is not None:
                 matrix = matrix.mul_(scale)
-            weight.grad = _in_layout(weight, matrix.reshape(weight.shape))
+            weight.grad = _in_layout(weight, self.as_weight(matrix))
             return
-        _write_grad(weight, matrix[:, :w_cols], scale)
+        _write_grad(weight, self.as_weight(matrix[:, :w_cols]), scale)
         _write_grad(self.bias, matrix[:, w_cols], scale)
 
     def add_outer_to_grad(self, parts: tuple[Tensor, Tensor | None], u: Tensor, v: Tensor, *,
@@ -240,10 +251,10 @@ class LayerHelper:
         is never written."""
         weight_part, bias_part = parts
         w_cols = weight_part.shape[1]
-        _add_outer_into(self.weight, weight_part, u, v[:w_cols], beta, alpha)
+        _add_outer_into(self.weight, weight_part, u, v[:w_cols], beta, alpha, self.as_weight)
         if bias_part is not None:
             _add_outer_into(self.bias, bias_part.reshape(-1, 1), u,
-                            v[w_cols:], beta, alpha)
+                            v[w_cols:], beta, alpha, lambda column: column)
 
     def _append_bias(self, rows: Tensor) -> Tensor:
         if not self.has_bias:
@@ -253,10 +264,10 @@ class LayerHelper:
 
 
 def _add_outer_into(param: Tensor, part: Tensor, u: Tensor, v: Tensor, beta: float,
-                    alpha: float) -> None:
-    """``param.grad = β·part + α·u vᵀ`` (in ``param``'s shape): in place when ``part`` is the
-    contiguous ``.grad`` of a contiguous ``param`` itself, else through :func:`_write_grad`;
-    nothing for a frozen parameter."""
+                    alpha: float, as_param: Callable[[Tensor], Tensor]) -> None:
+    """``param.grad = β·part + α·u vᵀ`` (``as_param`` gives it ``param``'s shape): in place
+    when ``part`` views the whole contiguous ``.grad`` of a contiguous ``param``, else through
+    :func:`_write_grad`; nothing for a frozen parameter."""
     if not param.requires_grad:
         return
     grad = param.grad
@@ -265,7 +276,7 @@ def _add_outer_into(param: Tensor, part: Tensor, u: Tensor, v: Tensor, beta: flo
             and part.data_ptr() == grad.data_ptr() and part.numel() == grad.numel()):
         part.addr_(u, v, beta=beta, alpha=alpha)
     else:
-        _write_grad(param, torch.addr(part, u, v, beta=beta, alpha=alpha), None)
+        _write_grad(param, as_param(torch.addr(part, u, v, beta=beta, alpha=alpha)), None)
 
 
 def _write_grad(param: Tensor, value: Tensor, scale: Tensor | float | None) -> None:
@@ -333,6 +344,26 @@ class LinearHelper(LayerHelper):
         if not self.has_bias:
             return (x,)
         return batch_slices(x, x[0].numel() // x.shape[-1], self.a_dim, dtype.itemsize)
+
+
+class TransposedLinearHelper(LinearHelper):
+    """A linear layer whose weight is stored ``(in, out)``, ``y = x W + b``: transformers'
+    ``Conv1D`` (GPT-2's attention and MLP projections). Its rows are a Linear layer's; its
+    ``∇W`` is the transposed gradient (a view: written in place where the step allows)."""
+
+    @property
+    def g_dim(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def a_dim(self) -> int:
+        return self.weight.shape[0] + int(self.has_bias)
+
+    def weight_matrix(self, tensor: Tensor) -> Tensor:
+        return tensor.t()
+
+    def as_weight(self, matrix: Tensor) -> Tensor:
+        return matrix.t()
 
 
 class Conv2dHelper(LayerHelper):
@@ -519,6 +550,14 @@ def computed_weight(module: nn.Module) -> bool:
     return isinstance(weight, Tensor) and weight.requires_grad and not weight.is_leaf
 
 
+def _register_imported_types() -> None:
+    """Support the layer types of libraries the model's code has imported, without importing
+    them: transformers' ``Conv1D`` (GPT-2's linear layers, weight ``(in, out)``)."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    if isinstance(conv1d, type) and conv1d not in _HELPERS:
+        _HELPERS[conv1d] = TransposedLinearHelper
+
+
 def register_helper(module_type: type[nn.Module], helper: type[LayerHelper]) -> None:
     """Support another module type (e.g. a BatchNorm Fisher block in a reproduction)."""
     _HELPERS[module_type] = helper
@@ -536,6 +575,7 @@ def helper_for(module: nn.Module, name: str = "") -> LayerHelper | None:
     whose parameters are sharded (:func:`refuse_sharded`). One whose weight
     is computed from other parameters (:func:`computed_weight`) warns and stays first-order.
     """
+    _register_imported_types()
     helper_type = _HELPERS.get(type(module))
     bases = [t for t in _HELPERS if isinstance(module, t)]
     if bases:

@@ -171,8 +171,9 @@ class KFACPreconditioner:
         self._widest_first = sorted(self.layers, reverse=True,
                                     key=lambda layer: max(layer.a_dim, layer.g_dim))
         if not self.layers:
-            warnings.warn("KFACPreconditioner found no supported layers (Linear, Conv2d) in the "
-                          "model; step() leaves every gradient first-order", stacklevel=2)
+            warnings.warn("KFACPreconditioner found no supported layers (Linear, Conv1D, "
+                          "Conv2d) in the model; step() leaves every gradient first-order",
+                          stacklevel=2)
         self.strategy.setup(self.layers, method=self.config.state_method,
                             dtype=self.inverse_dtype)
         self.strategy.set_step(0)

@@ -250,8 +250,8 @@ class Rank1Preconditioner:
         ]
         refuse_several_devices(type(self).__name__, self.layers)
         if not self.layers:
-            warnings.warn(f"{type(self).__name__} found no supported layers (Linear, Conv2d); "
-                          "step() leaves every gradient first-order", stacklevel=2)
+            warnings.warn(f"{type(self).__name__} found no supported layers (Linear, Conv1D, "
+                          "Conv2d); step() leaves every gradient first-order", stacklevel=2)
         self.timer = StageTimer(device_events=lambda: any(
             layer.device.type == "cuda" for layer in self.layers[:1]))
         self._capturing = self._update_due(0)

@@ -287,3 +287,40 @@ def test_a_step_inside_the_autocast_region_is_the_step_outside_it(make: type) ->
         assert not torch.is_autocast_enabled("cpu")
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("make", "options"), [
+    (KFACPreconditioner, {"inverse_method": "eigen"}),
+    (KFACPreconditioner, {"inverse_method": "inverse"}),
+    (KFACPreconditioner, {"inverse_method": "cholesky_solve"}),
+    (KFACPreconditioner, {"strategy": "dp-kfac"}),
+    (MKORPreconditioner, {}),
+    (EvaPreconditioner, {}),
+])
+def test_transformers_conv1d_is_preconditioned_as_the_linear_layer_it_is(
+        make: type, options: dict) -> None:
+    """GPT-2's attention and MLP projections are transformers' ``Conv1D``, a linear layer
+    whose weight is stored ``(in, out)``: they were left first-order (a GPT-2 had only its
+    tied LM head preconditioned). Each now gets the preconditioned gradient of the same
+    layer written as ``nn.Linear``, transposed."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(Conv1D(6, 4), nn.Tanh(), Conv1D(3, 6))
+    linear = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    with torch.no_grad():
+        for c, lin in ((conv[0], linear[0]), (conv[2], linear[2])):
+            lin.weight.copy_(c.weight.t())
+            lin.bias.copy_(c.bias)
+    preconds = [make(conv, **options), make(linear, **options)]
+    assert [layer.name for layer in preconds[0].layers] == ["0", "2"]
+    x, y = torch.randn(2, 5, 4), torch.randn(2, 5, 3)
+    for _ in range(2):
+        for model, precond in zip((conv, linear), preconds, strict=True):
+            model.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            precond.step()
+        for c, lin in ((conv[0], linear[0]), (conv[2], linear[2])):
+            torch.testing.assert_close(c.weight.grad, lin.weight.grad.t())
+            torch.testing.assert_close(c.bias.grad, lin.bias.grad)
+            assert c.weight.grad.shape == c.weight.shape and c.weight.grad.is_contiguous()
