@@ -44,12 +44,15 @@ from core.timing import STAGES, StageTimer
 
 
 def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]], *,
-                    quiet: Iterable[str] = ()) -> list[tuple[str, nn.Module]]:
+                    quiet: Iterable[str] = (), stacklevel: int = 3
+                    ) -> list[tuple[str, nn.Module]]:
     """Supported, trainable, not-skipped modules in ``model`` (in ``named_modules`` order).
 
     A name regex in ``skip`` that matches no module's name is reported (KAISA also matched
     class names: a rule such as ``"Linear"`` skips nothing here; give the class instead),
     except those in ``quiet`` (a method's default rules, for models they do not concern).
+    A layer whose weight is tied to a module not among them stays first-order, with a warning
+    (:func:`_untied_elsewhere`). Warnings point ``stacklevel`` frames up (the user's call).
 
     Raises:
         UnsupportedLayerError: for a model sharded by FSDP
@@ -68,12 +71,39 @@ def discover_layers(model: nn.Module, skip: Iterable[str | type[nn.Module]], *,
             continue
         if helper_for(module, name) is not None:
             found.append((name, module))
+    found = _untied_elsewhere(model, found, stacklevel + 1)
     if unmatched:
         warnings.warn(f"skip_layers rules {sorted(unmatched)} match no module name (they are "
                       "regexes searched in qualified names such as 'encoder.layer.0.output."
                       "dense'); to skip layers by type give the class, e.g. nn.Linear",
-                      stacklevel=3)
+                      stacklevel=stacklevel)
     return found
+
+
+def _untied_elsewhere(model: nn.Module, found: list[tuple[str, nn.Module]], stacklevel: int
+                      ) -> list[tuple[str, nn.Module]]:
+    """``found`` without the layers whose weight is also another module's that is not among
+    them (a language model's output layer tied to its input embedding: GPT-2's ``lm_head``,
+    BERT's decoder), each with a warning. Its gradient then carries that module's too, which
+    the layer's curvature does not describe; and a vocabulary-wide output side would build a
+    ``vocab × vocab`` factor or inverse (9.4 GiB in fp32 for GPT-2's 50,257 tokens)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for parameter in module.parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append((module_name, module))
+    kept = {id(module) for _, module in found}
+    out = []
+    for name, module in found:
+        others = sorted({other_name for other_name, other in owners[id(module.weight)]
+                         if id(other) not in kept})
+        if not others:
+            out.append((name, module))
+            continue
+        warnings.warn(f"{name}: its weight is also that of {', '.join(others)} (tied), so its "
+                      "gradient carries theirs, which this layer's curvature does not "
+                      "describe; it stays first-order (skip_layers it to silence this)",
+                      stacklevel=stacklevel)
+    return out
 
 
 def build_layers(model: nn.Module, config: KFACConfig,
@@ -84,7 +114,7 @@ def build_layers(model: nn.Module, config: KFACConfig,
                   factor_dtype=getattr(torch, config.factor_dtype),
                   grad_multiplier=grad_multiplier,
                   identity_start=config.factor_init == "identity")
-        for name, module in discover_layers(model, config.skip_layers)
+        for name, module in discover_layers(model, config.skip_layers, stacklevel=4)
         if (helper := helper_for(module)) is not None
     ]
 
