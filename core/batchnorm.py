@@ -48,8 +48,8 @@ from core.config import (
 from core.distributed.communicator import Communicator
 from core.factors import RunningFactor
 from core.hyper import Schedulable
-from core.inverse import DecompositionError, _with_fp64_retry
-from core.layer_base import StepLossScale, cloned, outside_autocast, restored
+from core.inverse import DecompositionError, _with_fp64_retry, all_finite
+from core.layer_base import StepLossScale, autocast_off, cloned, restored
 from core.layers import (
     UnsupportedLayerError,
     refuse_flat_sharding,
@@ -112,11 +112,14 @@ def fisher_blocks(x_hat: Tensor, gy: Tensor, mode: str, grad_scale: float = 1.0)
     return torch.einsum("nki,nkj->kij", u, u) * (grad_scale**2 / u.shape[0])
 
 
-def damped_block_inverse(blocks: Tensor, damping: float, dtype: torch.dtype) -> Tensor:
-    """``(F + λI)⁻¹`` of a batch of symmetric blocks by Cholesky (retried in fp64 on failure).
+def damped_block_inverse(blocks: Tensor, damping: float, dtype: torch.dtype, *,
+                         fp64_retry: bool = True) -> Tensor:
+    """``(F + λI)⁻¹`` of a batch of symmetric blocks by Cholesky (retried in fp64 on failure,
+    unless ``fp64_retry`` is False: a batch of several layers' blocks is retried layer by
+    layer instead, so that the others keep their fp32 results).
 
     Raises:
-        DecompositionError: if a block is not positive definite even in fp64.
+        DecompositionError: if a block is not positive definite (even in fp64, with the retry).
     """
 
     def invert(m: Tensor) -> tuple[Tensor]:
@@ -127,7 +130,17 @@ def damped_block_inverse(blocks: Tensor, damping: float, dtype: torch.dtype) -> 
         inv = torch.cholesky_inverse(chol)
         return ((inv + inv.mT) / 2,)
 
-    (inv,) = _with_fp64_retry("cholesky", invert, blocks, dtype)
+    if fp64_retry:
+        (inv,) = _with_fp64_retry("cholesky", invert, blocks, dtype)
+        return inv
+    try:
+        (inv,) = invert(blocks.to(dtype))
+    except (torch.OutOfMemoryError, torch.AcceleratorError):
+        raise
+    except RuntimeError as err:
+        raise DecompositionError(f"cholesky failed ({dtype}: {err})") from None
+    if not all_finite([inv]):
+        raise DecompositionError(f"cholesky failed ({dtype}: non-finite result)")
     return inv
 
 
@@ -321,16 +334,16 @@ class BatchNormPreconditioner:
         return self.accumulation_steps / self.loss_scale.get()
 
     @torch.no_grad()
-    @outside_autocast
     def step(self) -> None:
         """Update the Fisher blocks when due, then precondition every layer's gradient."""
-        if self._capturing:
-            batches = self._average_across_ranks(
-                [block.fisher.take_batch() for block in self.blocks])
-            self._update(batches, hyper_at("factor_decay", self.factor_decay, self.steps),
-                         hyper_at("damping", self.damping, self.steps))
-        self._precondition()
-        self._end_step()
+        with autocast_off():
+            if self._capturing:
+                batches = self._average_across_ranks(
+                    [block.fisher.take_batch() for block in self.blocks])
+                self._update(batches, hyper_at("factor_decay", self.factor_decay, self.steps),
+                             hyper_at("damping", self.damping, self.steps))
+            self._precondition()
+            self._end_step()
 
     def _update(self, batches: list[Tensor | None], decay: float, damping: float) -> None:
         """Blend each finite batch into its layer's running blocks (a layer no rank ran this
@@ -353,7 +366,8 @@ class BatchNormPreconditioner:
         for group in by_size.values():
             blocks = [cast(Tensor, block.fisher.value) for block in group]  # just updated
             try:
-                inverses = damped_block_inverse(torch.cat(blocks), damping, torch.float32)
+                inverses = damped_block_inverse(torch.cat(blocks), damping, torch.float32,
+                                                fp64_retry=False)
             except DecompositionError:
                 for block in group:
                     block.update_inverse(damping)

@@ -161,7 +161,9 @@ class HookSet:
     def paused(self) -> Iterator[None]:
         """Capture nothing from the forward passes run inside: their outputs' gradients,
         whenever they are taken, stay out of the statistics. Forward passes run before keep
-        theirs, even if their backward pass runs inside."""
+        theirs, even if their backward pass runs inside. A segment under reentrant activation
+        checkpointing runs its forward again in the backward pass, which is captured unless
+        that backward pass runs inside too."""
         before = self._paused
         self._pause(True)
         try:

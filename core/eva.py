@@ -277,7 +277,7 @@ class EvaPreconditioner(Rank1Preconditioner):
         warnings.warn(f"Eva's closed form for {', '.join(x.name for x in layers)} is not finite "
                       f"in {self.dtype} (gradients or statistics near the end of its range); "
                       f"left first-order this step ({total} layer-steps so far): lower the "
-                      "learning rate, or check the loss scale", stacklevel=4)
+                      "learning rate, or check the loss scale", stacklevel=5)
 
     def _restore_half_overflows(self, raw: dict[EvaLayer, tuple[Tensor, Tensor | None]]
                                 ) -> None:
@@ -295,7 +295,7 @@ class EvaPreconditioner(Rank1Preconditioner):
             total = sum(x.nonfinite_preconditioned for x in self.layers)
             warnings.warn(f"preconditioned gradient of {', '.join(x.name for x in overflowed)} "
                           "exceeds float16's range; left first-order this step "
-                          f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=3)
+                          f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=5)
 
     def metrics(self) -> dict[str, float]:
         """The last step's stage times, communication volume, KL-clip scale and damping."""

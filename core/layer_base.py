@@ -4,10 +4,9 @@ methods' :class:`~core.rank1.Rank1Layer`), and the gradient prologue of every pr
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
-from typing import Any, ParamSpec, TypeVar, cast
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -16,25 +15,18 @@ from core.factors import RunningFactor
 from core.inverse import all_finite
 from core.layers import LayerHelper
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
-
-def outside_autocast(step: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run ``step`` with autocast off: a preconditioner's step called inside the training
-    loop's autocast region ran its products in float16 or bfloat16 (K-FAC, whatever its
-    dtypes said) or failed on the mixed dtypes (MKOR's ``dot`` of a float32 vector and an
-    autocast product). The forward pass's capture is not affected."""
-
-    @functools.wraps(step)
-    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with ExitStack() as stack:
-            for device_type in ("cpu", "cuda"):
-                if torch.is_autocast_enabled(device_type):
-                    stack.enter_context(torch.autocast(device_type, enabled=False))
-            return step(*args, **kwargs)
-
-    return run
+@contextmanager
+def autocast_off() -> Iterator[None]:
+    """Autocast off within: a preconditioner's step called inside the training loop's autocast
+    region ran its products in float16 or bfloat16 (K-FAC, whatever its dtypes said) or failed
+    on the mixed dtypes (MKOR's ``dot`` of a float32 vector and an autocast product). A
+    context, not a decorator: a wrapper's frame would shift where the step's warnings point."""
+    with ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
 
 
 def squared_norm(t: Tensor) -> Tensor:

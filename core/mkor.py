@@ -149,7 +149,15 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
     # a zero denominator (an inverse gone indefinite) gives an infinite term, which the
     # caller's checks turn into a counted failure
     coeff = numerator / denominator if denominator else math.inf
-    return RankOneUpdate(scale, shift, coeff, u, _peak(low, high), denominator > 0)
+    peak = _peak(low, high)
+    limits = torch.finfo(u.dtype)
+    if math.isfinite(coeff) and coeff and (abs(coeff) < limits.tiny or peak**2 > limits.max / 2):
+        # the term as (√|c|·u)(√|c|·u)ᵀ: c below the dtype's normal range (a diverging step's
+        # statistics) rounded away, or uᵢuⱼ overflowed, before c scaled it back
+        root = math.sqrt(abs(coeff))
+        u.mul_(root)
+        coeff, peak = math.copysign(1.0, coeff), peak * root
+    return RankOneUpdate(scale, shift, coeff, u, peak, denominator > 0)
 
 
 def row_blocks(matrix: Tensor) -> list[slice]:
@@ -567,11 +575,11 @@ class MKORPreconditioner(Rank1Preconditioner):
         if left_raw:
             warnings.warn(f"non-finite preconditioned gradient in {', '.join(left_raw)}; left "
                           f"first-order this step ({total} layer-steps so far): check the "
-                          "update rule and the stabiliser (epsilon)", stacklevel=3)
+                          "update rule and the stabiliser (epsilon)", stacklevel=4)
         if overflowed:
             warnings.warn(f"preconditioned gradient of {', '.join(x.name for x in overflowed)} "
                           "exceeds float16's range; left first-order this step "
-                          f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=3)
+                          f"({total} layer-steps so far): {HALF_OVERFLOW_FIX}", stacklevel=4)
 
     def metrics(self) -> dict[str, float]:
         """Stage times, communication volume, stabiliser firings, update failures and the

@@ -32,10 +32,10 @@ from core.kfac_layer import KFACLayer
 from core.layer_base import (
     HALF_OVERFLOW_FIX,
     StepLossScale,
+    autocast_off,
     check_saved_layers,
     finite_gradients,
     half_overflows,
-    outside_autocast,
     refuse_several_devices,
 )
 from core.layers import helper_for, refuse_flat_sharding
@@ -331,108 +331,108 @@ class KFACPreconditioner:
         return stage not in self.disabled_stages
 
     @torch.no_grad()
-    @outside_autocast
     def step(self) -> None:
         """Precondition the gradients of this step (call after ``backward``, before the optimizer).
         """
-        step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
-        for layer in self.layers:  # before anything changes: an input changed in place raises
-            layer.check_captured_inputs()
-        grads = finite_gradients(self.layers, settle=self._settle_backward_reduction)
-        if grads is None:  # an AMP overflow (or a diverged step): factors clean, grads raw
-            self.skipped_overflow_steps += 1
-            self._end_step()
-            return
+        with autocast_off():
+            step, cfg, timer, strategy = self.steps, self.config, self.timer, self.strategy
+            for layer in self.layers:  # before anything changes: an input changed in place raises
+                layer.check_captured_inputs()
+            grads = finite_gradients(self.layers, settle=self._settle_backward_reduction)
+            if grads is None:  # an AMP overflow (or a diverged step): factors clean, grads raw
+                self.skipped_overflow_steps += 1
+                self._end_step()
+                return
 
-        inverting = (update_due("inv_update_steps", cfg.inv_update_steps, step)
-                     or (not self._inverted and self._capturing))
-        self._inverted = self._inverted or inverting
-        # Each layer's factors are handed to the reduction as soon as they are built, so the
-        # first buckets travel while later layers' factors are computed. On a step that keeps
-        # its inverses, the rest runs while this step's gradients are preconditioned (which
-        # does not read the new factors), and the running averages are updated after it.
-        finish_factors: Callable[[], None] | None = None
-        if self._capturing:
-            decay = self._hyper("factor_decay")
-            if strategy.communicates_factors:
-                reduction = (self._backward_reduction or strategy.factor_reduction()
-                             if self._reduces_factors() else None)
-                if reduction is not None and cfg.factors_in_backward:
-                    self._hand_over(reduction, everything=True)
-                for layer in self.layers:
-                    if layer.name in self._staged:  # handed over in the backward pass
-                        continue
-                    layer.stage_batch_factors(timer)
+            inverting = (update_due("inv_update_steps", cfg.inv_update_steps, step)
+                         or (not self._inverted and self._capturing))
+            self._inverted = self._inverted or inverting
+            # Each layer's factors are handed to the reduction as soon as they are built, so the
+            # first buckets travel while later layers' factors are computed. On a step that keeps
+            # its inverses, the rest runs while this step's gradients are preconditioned (which
+            # does not read the new factors), and the running averages are updated after it.
+            finish_factors: Callable[[], None] | None = None
+            if self._capturing:
+                decay = self._hyper("factor_decay")
+                if strategy.communicates_factors:
+                    reduction = (self._backward_reduction or strategy.factor_reduction()
+                                 if self._reduces_factors() else None)
+                    if reduction is not None and cfg.factors_in_backward:
+                        self._hand_over(reduction, everything=True)
+                    for layer in self.layers:
+                        if layer.name in self._staged:  # handed over in the backward pass
+                            continue
+                        layer.stage_batch_factors(timer)
+                        if reduction is not None:
+                            with timer.stage("factor_comm"):
+                                reduction.add(layer)
                     if reduction is not None:
                         with timer.stage("factor_comm"):
-                            reduction.add(layer)
-                if reduction is not None:
-                    with timer.stage("factor_comm"):
-                        finish_factors = reduction.finish()
-                        if inverting:
-                            finish_factors()
-                            finish_factors = None
-                if finish_factors is None:
-                    self._update_running_factors(decay)
-            else:  # one layer at a time, so one batch factor is alive at once
-                uncaptured = []
-                for layer in self.layers:
-                    layer.stage_batch_factors(timer)
-                    if (layer.batch_a is None and grads[layer.name] is not None
-                            and strategy.captures(layer)):  # DP-KFAC: owners capture alone
-                        uncaptured.append(layer.name)
-                    with timer.stage("factors"):
-                        layer.update_running_factors(decay)
-                self._report_uncaptured(uncaptured)
+                            finish_factors = reduction.finish()
+                            if inverting:
+                                finish_factors()
+                                finish_factors = None
+                    if finish_factors is None:
+                        self._update_running_factors(decay)
+                else:  # one layer at a time, so one batch factor is alive at once
+                    uncaptured = []
+                    for layer in self.layers:
+                        layer.stage_batch_factors(timer)
+                        if (layer.batch_a is None and grads[layer.name] is not None
+                                and strategy.captures(layer)):  # DP-KFAC: owners capture alone
+                            uncaptured.append(layer.name)
+                        with timer.stage("factors"):
+                            layer.update_running_factors(decay)
+                    self._report_uncaptured(uncaptured)
 
-        damping = self._hyper("damping")
-        inverted = self.layers if inverting else self._first_inversions()
-        if inverted:
-            if self._enabled("inversion"):
-                with timer.stage("inversion"):
-                    for layer in self._widest_first if inverting else inverted:
-                        layer.compute_inverse(method=cfg.state_method, damping=damping,
-                                              split=cfg.damping_split, dtype=self.inverse_dtype,
-                                              state_dtype=self.state_dtype,
-                                              sides=strategy.inverse_sides(layer),
-                                              grad=grads[layer.name],
-                                              tolerance=cfg.precondition_dtype_tolerance)
-            if self._enabled("inverse_comm"):
-                with timer.stage("inverse_comm"):
-                    strategy.communicate_inverses(inverted)
-            self._inverted_layers.update(layer.name for layer in inverted if layer.has_factors)
+            damping = self._hyper("damping")
+            inverted = self.layers if inverting else self._first_inversions()
+            if inverted:
+                if self._enabled("inversion"):
+                    with timer.stage("inversion"):
+                        for layer in self._widest_first if inverting else inverted:
+                            layer.compute_inverse(method=cfg.state_method, damping=damping,
+                                                  split=cfg.damping_split, dtype=self.inverse_dtype,
+                                                  state_dtype=self.state_dtype,
+                                                  sides=strategy.inverse_sides(layer),
+                                                  grad=grads[layer.name],
+                                                  tolerance=cfg.precondition_dtype_tolerance)
+                if self._enabled("inverse_comm"):
+                    with timer.stage("inverse_comm"):
+                        strategy.communicate_inverses(inverted)
+                self._inverted_layers.update(layer.name for layer in inverted if layer.has_factors)
 
-        preconditioned: dict[str, Tensor] = {}
-        # The KL clip's products, taken while each P is still in cache, unless communication
-        # may replace or round P afterwards.
-        products: dict[str, Tensor] | None = (
-            {} if cfg.kl_clip is not None and not strategy.moves_gradients else None)
-        if self._enabled("precondition"):
-            with timer.stage("precondition"):
-                for layer in self.layers:
-                    grad = grads[layer.name]
-                    if grad is None or not strategy.preconditions(layer):
-                        continue
-                    p = layer.precondition(grad, damping)
-                    if p is None:
-                        continue
-                    # a bf16 state's product returns to the inverse dtype
-                    p = preconditioned[layer.name] = p.to(self.inverse_dtype)
-                    if products is not None:
-                        products[layer.name] = kl_product(p, grad)
-        if self._enabled("grad_comm") and self._enabled("precondition"):
-            with timer.stage("grad_comm"):
-                with_grad = [layer for layer in self.layers if grads[layer.name] is not None]
-                strategy.communicate_gradients(with_grad, preconditioned)
+            preconditioned: dict[str, Tensor] = {}
+            # The KL clip's products, taken while each P is still in cache, unless communication
+            # may replace or round P afterwards.
+            products: dict[str, Tensor] | None = (
+                {} if cfg.kl_clip is not None and not strategy.moves_gradients else None)
+            if self._enabled("precondition"):
+                with timer.stage("precondition"):
+                    for layer in self.layers:
+                        grad = grads[layer.name]
+                        if grad is None or not strategy.preconditions(layer):
+                            continue
+                        p = layer.precondition(grad, damping)
+                        if p is None:
+                            continue
+                        # a bf16 state's product returns to the inverse dtype
+                        p = preconditioned[layer.name] = p.to(self.inverse_dtype)
+                        if products is not None:
+                            products[layer.name] = kl_product(p, grad)
+            if self._enabled("grad_comm") and self._enabled("precondition"):
+                with timer.stage("grad_comm"):
+                    with_grad = [layer for layer in self.layers if grads[layer.name] is not None]
+                    strategy.communicate_gradients(with_grad, preconditioned)
 
-        if self._enabled("scale"):
-            with timer.stage("scale"):
-                self._clip_and_write(grads, preconditioned, products)
-        if finish_factors is not None:
-            with timer.stage("factor_comm"):
-                finish_factors()
-            self._update_running_factors(decay)
-        self._end_step()
+            if self._enabled("scale"):
+                with timer.stage("scale"):
+                    self._clip_and_write(grads, preconditioned, products)
+            if finish_factors is not None:
+                with timer.stage("factor_comm"):
+                    finish_factors()
+                self._update_running_factors(decay)
+            self._end_step()
 
     def _first_inversions(self) -> list[KFACLayer]:
         """The layers with factors but no inversion yet, where every rank holds every layer's

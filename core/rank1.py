@@ -40,10 +40,10 @@ from core.distributed.communicator import Communicator
 from core.layer_base import (
     PreconditionedLayer,
     StepLossScale,
+    autocast_off,
     check_saved_layers,
     finite_gradients,
     nbytes,
-    outside_autocast,
     refuse_several_devices,
 )
 from core.layers import LayerHelper, helper_for
@@ -285,7 +285,6 @@ class Rank1Preconditioner:
 
     # The step --------------------------------------------------------------------------------
     @torch.no_grad()
-    @outside_autocast
     def step(self) -> None:
         """Precondition this step's gradients (after ``backward``, before the optimizer).
 
@@ -293,25 +292,26 @@ class Rank1Preconditioner:
         raw gradients. A step with non-finite gradients (an AMP overflow) is left first-order
         and its captured statistics are dropped.
         """
-        self.communicator.ledger.step = self.steps
-        grads = self._gradients()
-        if grads is None:  # an AMP overflow: statistics dropped, gradients left raw
-            self.skipped_overflow_steps += 1
+        with autocast_off():
+            self.communicator.ledger.step = self.steps
+            grads = self._gradients()
+            if grads is None:  # an AMP overflow: statistics dropped, gradients left raw
+                self.skipped_overflow_steps += 1
+                self._end_step()
+                return
+            if self._capturing and self.layers:
+                with self.timer.stage("factors"):
+                    one = torch.ones(1, dtype=self.dtype, device=self.layers[0].device)
+                    vector = torch.cat([part for layer in self.layers
+                                        for part in layer.vector_parts(one)])
+                with self.timer.stage("factor_comm"):
+                    vector = self._communicate(vector)
+                with self.timer.stage("inversion"):
+                    self._update_captured(vector)
+            with self.timer.stage("precondition"):
+                self._precondition([(layer, grad) for layer in self.layers
+                                    if (grad := grads[layer.name]) is not None])
             self._end_step()
-            return
-        if self._capturing and self.layers:
-            with self.timer.stage("factors"):
-                one = torch.ones(1, dtype=self.dtype, device=self.layers[0].device)
-                vector = torch.cat([part for layer in self.layers
-                                    for part in layer.vector_parts(one)])
-            with self.timer.stage("factor_comm"):
-                vector = self._communicate(vector)
-            with self.timer.stage("inversion"):
-                self._update_captured(vector)
-        with self.timer.stage("precondition"):
-            self._precondition([(layer, grad) for layer in self.layers
-                                if (grad := grads[layer.name]) is not None])
-        self._end_step()
 
     def skip_step(self) -> None:
         """Account for a step whose optimizer update was skipped without :meth:`step` running

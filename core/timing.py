@@ -157,6 +157,8 @@ class StageTimer:
         events, once they are read)."""
         events, self._step_events = self.device_events, None  # the next step decides anew
         if not events:
+            while self._unread:  # device-timed steps before it (the model since moved)
+                self._read_oldest()
             self._last = {name: self.current.get(name, 0.0) for name in STAGES}
             self.current = defaultdict(float)
             return

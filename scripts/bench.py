@@ -899,7 +899,7 @@ def current_device(name: str) -> torch.device:
     and memory counters of this script and of ``core.timing`` act on the current GPU (with
     ``cuda:1`` they read an idle ``cuda:0``)."""
     device = resolve_device(name)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # "cuda" is the current one already
         torch.cuda.set_device(device)
     return device
 

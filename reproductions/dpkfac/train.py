@@ -261,7 +261,10 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
     step, elapsed, run_id = 0, 0.0, None
     stage_time = StageTimer()
     if state is not None:  # an interrupted run of these settings continues
-        require_same_config(state.get("config"), run_config, checkpoints, ignore=("max_steps",),
+        saved = state.get("config")
+        if saved is not None:  # saved before the field existed: its factors started at a batch
+            saved = {"factor_init": "batch", **saved}
+        require_same_config(saved, run_config, checkpoints, ignore=("max_steps",),
                             fix="run with the same settings to continue it, or pass another "
                                 "--run-dir (or delete this one) to start afresh")
         if state["step"] + 1 > total:  # its results would record more steps than it says

@@ -39,7 +39,7 @@ def rescale_weights(weights: Iterable[Tensor]) -> None:
     weights = list(weights)
     if not weights:
         return
-    norms = torch.stack([weight.norm().float() for weight in weights]).tolist()
+    norms = torch.stack([weight.norm().double() for weight in weights]).tolist()
     for weight, norm in zip(weights, norms, strict=True):
         scale = rescale_target(weight) / (norm + RESCALE_EPS)
         if scale < 1.0:

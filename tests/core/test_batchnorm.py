@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.batchnorm import BN_FISHER_MODES, BatchNormPreconditioner, arrange, normalised, split
+from core.batchnorm import (
+    BN_FISHER_MODES,
+    BatchNormPreconditioner,
+    arrange,
+    damped_block_inverse,
+    normalised,
+    split,
+)
 from core.config import ConfigError
 
 
@@ -318,3 +325,23 @@ def test_a_float16_layers_result_beyond_its_range_leaves_its_gradient_raw() -> N
     precond.step()
     assert torch.equal(bn.weight.grad, raw[0]) and torch.equal(bn.bias.grad, raw[1])
     assert precond.metrics()["bn/preconditioned_layers"] == 0.0
+
+
+def test_a_layer_that_needs_the_fp64_retry_leaves_the_others_fp32_results() -> None:
+    """Inverted together, one layer whose blocks fail in fp32 had every layer of its group
+    retried in fp64: different bits from inverting each alone. The group is retried layer by
+    layer instead, and only the failing layer takes the fp64 result."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(8), nn.BatchNorm2d(8))
+    precond = BatchNormPreconditioner(model, mode="unit", damping=1e-3, factor_decay=0.0)
+    u = torch.randn(8, 16, 2)
+    good = torch.einsum("kni,knj->kij", u, u) / 16
+    bad = good.clone()
+    bad[0] = 1e8 * torch.ones(2, 2)  # singular at fp32's precision: its Cholesky fails there
+    for block, fisher in zip(precond.blocks, (good, bad), strict=True):
+        block.fisher.accumulate(fisher)
+    F.mse_loss(model(torch.randn(4, 8, 3, 3)), torch.randn(4, 8, 3, 3)).backward()
+    precond.step()
+    assert torch.equal(precond.blocks[0].inverse, damped_block_inverse(
+        precond.blocks[0].fisher.value, 1e-3, torch.float32))
+    assert precond.blocks[1].failures == 0 and torch.isfinite(precond.blocks[1].inverse).all()

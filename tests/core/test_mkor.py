@@ -728,14 +728,16 @@ def test_the_stabiliser_blends_the_layers_inverses_when_they_grow_past_epsilon()
     assert mkor.metrics()["stabilisations"] >= fired
 
 
+@pytest.mark.parametrize("size", [1.0, 1e6])
 @pytest.mark.parametrize("rule", ["exact", "paper", "official"])
 def test_a_statistic_whose_quadratic_form_overflows_float32_updates_as_in_float64(
-        rule: str) -> None:
+        rule: str, size: float) -> None:
     """``vᵀL⁻¹v`` of a statistic near 3e19 (a diverging step's) overflowed float32: the
     Sherman–Morrison coefficient became 0 and every rule kept ``scale·L⁻¹ + shift·I``, a
-    finite inverse, wrong and uncounted. The form is taken in float64: the float32 update is
-    the float64 one."""
-    v = torch.tensor([3e19, 1e19, 0.0])
+    finite inverse, wrong and uncounted. The form is taken in float64, and a coefficient
+    below float32's normal range (from 3e25) is applied as ``(√|c|·u)(√|c|·u)ᵀ``: the float32
+    update is the float64 one."""
+    v = torch.tensor([3e19, 1e19, 0.0]) * size
     got = update_inverse(torch.eye(3), v, 0.95, rule)
     want = update_inverse(torch.eye(3, dtype=F64), v.double(), 0.95, rule)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

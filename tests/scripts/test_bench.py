@@ -503,3 +503,16 @@ def test_bad_options_end_in_one_line_before_measuring(
     outcome, stderr = invoke(bench.main, ["--quick", "--in-process", *argv], never_measured)
     assert_clear_error(outcome, stderr, set())
     assert option in stderr.strip().splitlines()[-1]
+
+
+def test_a_device_without_an_index_is_taken_as_the_current_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cuda`` (and ``auto`` on a GPU host) resolve to a device without an index,
+    which ``torch.cuda.set_device`` refuses: the benchmark died before measuring anything. Only
+    an indexed device is made the current one."""
+    made_current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert bench.current_device("cuda") == torch.device("cuda") and made_current == []
+    assert bench.current_device("cuda:1") == torch.device("cuda:1")
+    assert made_current == [torch.device("cuda:1")]
+    assert bench.current_device("cpu") == torch.device("cpu")

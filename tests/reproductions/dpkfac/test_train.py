@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core.config import ConfigError
-from reproductions.common.checkpoint import list_checkpoints
+from reproductions.common.checkpoint import checkpoint_step, list_checkpoints, save_checkpoint
 from reproductions.common.results import load_results
 from reproductions.dpkfac.train import DEFAULT_CONFIG, TrainConfig, batch_indices, main, run
 
@@ -203,3 +203,29 @@ def test_factors_start_at_the_identity_as_the_dpkfac_code_does(tmp_path: Path) -
 def test_an_unknown_factor_init_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="factor_init"):
         TrainConfig(factor_init="zeros")
+
+
+def test_a_checkpoint_saved_before_factor_init_existed_resumes_as_batch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its saved settings lack the field, which compared as None against either value: the run
+    could not be resumed at all. It ran with the first batch's factors, and resumes so."""
+    args = ["--optimizer", "dp-kfac", "--workers", "1", "--wandb", "disabled",
+            "--out", str(tmp_path / "results"), "--run-dir", str(tmp_path / "run")]
+
+    def config(init: str) -> str:
+        path = tmp_path / f"{init}.json"
+        path.write_text(json.dumps(asdict(TrainConfig(test_examples=100, factor_init=init))))
+        return str(path)
+
+    main([*args, "--config", config("batch"), "--max-steps", "1"])
+    folder = tmp_path / "run" / "checkpoints" / "fashion_mnist-dp-kfac" / "rank0"
+    (saved,) = list_checkpoints(folder)
+    state = torch.load(saved, weights_only=False)
+    del state["config"]["factor_init"]
+    save_checkpoint(folder, checkpoint_step(saved), state)
+    with pytest.raises(SystemExit):
+        main([*args, "--config", config("identity"), "--max-steps", "2"])
+    assert "factor_init: 'batch' saved, 'identity' now" in capsys.readouterr().err
+    main([*args, "--config", config("batch"), "--max-steps", "2"])
+    run = load_results(tmp_path / "results" / "fashion_mnist-dp-kfac.json")
+    assert [s["step"] for s in run["steps"]] == [0, 1]
