@@ -151,7 +151,8 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
     coeff = numerator / denominator if denominator else math.inf
     peak = _peak(low, high)
     limits = torch.finfo(u.dtype)
-    if math.isfinite(coeff) and coeff and (abs(coeff) < limits.tiny or peak**2 > limits.max / 2):
+    if math.isfinite(coeff) and coeff and (abs(coeff) < limits.tiny
+                                           or peak * peak > limits.max / 2):
         # the term as (√|c|·u)(√|c|·u)ᵀ: c below the dtype's normal range (a diverging step's
         # statistics) rounded away, or uᵢuⱼ overflowed, before c scaled it back
         root = math.sqrt(abs(coeff))
@@ -225,7 +226,9 @@ def cannot_overflow(terms: RankOneUpdate, peak: float, dtype: torch.dtype) -> bo
     rounding); with that below half the dtype's largest value nothing overflows, and finite
     inputs give no NaN. False when any input is not finite (the bound is then NaN or infinite).
     """
-    bound = (abs(terms.scale) * peak + abs(terms.coeff) * terms.u_peak**2 + abs(terms.shift))
+    # products, not powers: a float's ** raises OverflowError where * gives inf
+    bound = (abs(terms.scale) * peak + abs(terms.coeff) * terms.u_peak * terms.u_peak
+             + abs(terms.shift))
     return bound < 0.5 * torch.finfo(dtype).max
 
 

@@ -94,7 +94,8 @@ def _untied_elsewhere(model: nn.Module, found: list[tuple[str, nn.Module]], stac
     kept = {id(module) for _, module in found}
     out = []
     for name, module in found:
-        others = sorted({other_name for other_name, other in owners[id(module.weight)]
+        others = sorted({other_name or "the model itself"
+                         for other_name, other in owners.get(id(module.weight), [])
                          if id(other) not in kept})
         if not others:
             out.append((name, module))

@@ -742,3 +742,16 @@ def test_a_statistic_whose_quadratic_form_overflows_float32_updates_as_in_float6
     want = update_inverse(torch.eye(3, dtype=F64), v.double(), 0.95, rule)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(got.double(), got[2, 2].double() * torch.eye(3, dtype=F64))
+
+
+def test_a_float64_statistic_beyond_the_square_root_of_its_range_raises_nothing() -> None:
+    """``max|u|²`` was a Python float power, which raises ``OverflowError`` (where a product
+    gives inf) once ``u`` passes 1.3e154: a float64 MKOR step crashed instead of leaving the
+    layer first-order, counted."""
+    layer = nn.Linear(4, 3).double()
+    mkor = MKORPreconditioner(layer, dtype="float64")
+    layer(torch.full((8, 4), 1e155, dtype=F64)).sum().backward()
+    raw = layer.weight.grad.clone()
+    with pytest.warns(UserWarning, match="left first-order"):
+        mkor.step()
+    assert torch.equal(layer.weight.grad, raw) and mkor.metrics()["nonfinite_preconditioned"] == 1

@@ -361,3 +361,15 @@ def test_an_output_layer_tied_to_the_input_embedding_stays_first_order_naming_it
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [layer.name for layer in make(shared).layers] == ["0", "2"]
+
+
+def test_a_weight_that_is_no_parameter_is_still_preconditioned() -> None:
+    """A layer whose weight is a plain tensor attribute (no registered parameter) is found by
+    the preconditioner; the tie check looked it up among parameters and raised KeyError."""
+    layer = nn.Linear(4, 4)
+    del layer.weight
+    layer.weight = torch.randn(4, 4, requires_grad=True)
+    precond = KFACPreconditioner(layer)
+    assert [x.name for x in precond.layers] == [""]
+    F.mse_loss(layer(torch.randn(6, 4)), torch.randn(6, 4)).backward()
+    precond.step()
