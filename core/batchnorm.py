@@ -48,7 +48,7 @@ from core.config import (
 from core.distributed.communicator import Communicator
 from core.factors import RunningFactor
 from core.hyper import Schedulable
-from core.inverse import DecompositionError, _with_fp64_retry, all_finite
+from core.inverse import DecompositionError, _with_fp64_retry
 from core.layer_base import StepLossScale, autocast_off, cloned, restored
 from core.layers import (
     UnsupportedLayerError,
@@ -130,17 +130,7 @@ def damped_block_inverse(blocks: Tensor, damping: float, dtype: torch.dtype, *,
         inv = torch.cholesky_inverse(chol)
         return ((inv + inv.mT) / 2,)
 
-    if fp64_retry:
-        (inv,) = _with_fp64_retry("cholesky", invert, blocks, dtype)
-        return inv
-    try:
-        (inv,) = invert(blocks.to(dtype))
-    except (torch.OutOfMemoryError, torch.AcceleratorError):
-        raise
-    except RuntimeError as err:
-        raise DecompositionError(f"cholesky failed ({dtype}: {err})") from None
-    if not all_finite([inv]):
-        raise DecompositionError(f"cholesky failed ({dtype}: non-finite result)")
+    (inv,) = _with_fp64_retry("cholesky", invert, blocks, dtype, retry=fp64_retry)
     return inv
 
 

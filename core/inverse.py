@@ -253,8 +253,9 @@ def make_state(method: str, tensors: Sequence[Tensor]) -> SecondOrderState:
 
 
 def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matrix: Tensor,
-                     dtype: torch.dtype) -> tuple[Tensor, ...]:
-    """Run ``fn`` in ``dtype``; on an error or non-finite output, once more in fp64.
+                     dtype: torch.dtype, *, retry: bool = True) -> tuple[Tensor, ...]:
+    """Run ``fn`` in ``dtype``; on an error or non-finite output, once more in fp64 (unless
+    ``retry`` is False: the caller then retries parts of ``matrix`` on their own).
 
     The fp64 result is cast back to ``dtype`` and must be finite there too: the damped inverse
     of a singular factor can exceed fp32's range (a tiny damping), and is then a failure.
@@ -263,7 +264,7 @@ def _with_fp64_retry(name: str, fn: Callable[[Tensor], tuple[Tensor, ...]], matr
     the layer first-order with a warning at every inversion, the run going on.
     """
     errors = []
-    for attempt in dict.fromkeys([dtype, torch.float64]):
+    for attempt in dict.fromkeys([dtype, torch.float64] if retry else [dtype]):
         try:
             out = tuple(t.to(dtype) for t in fn(matrix.to(attempt)))
         except (torch.OutOfMemoryError, torch.AcceleratorError):

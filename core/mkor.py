@@ -135,7 +135,8 @@ def update_terms(inverse: Tensor, v: Tensor, gamma: float, rule: str, blend: flo
     # vᵀu in float64: it overflows float32 from |v| near 2⁶⁴ (a diverging step's statistics),
     # and an infinite one made the rank-1 coefficient 0, a finite but wrong inverse
     quad = torch.dot(v.double(), u.double())
-    low, high, quad = torch.stack([*torch.aminmax(u.double()), quad]).tolist()
+    low, high = torch.aminmax(u)
+    low, high, quad = torch.stack([low.double(), high.double(), quad]).tolist()
     if rule == "official":
         scale, shift = weight, rest
         numerator, denominator = -1.0, 1.0 + quad
