@@ -16,9 +16,12 @@ penalty's on a forward pass of its own) the optimizer never applies.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -143,6 +146,7 @@ class HookSet:
     def __init__(self, attach: Callable[[], list[CaptureHooks]]) -> None:
         self._attach = attach
         self._paused = False
+        _let_compiled_graphs_see_new_hooks()
         self._hooks = attach()
 
     def remove(self) -> None:
@@ -154,6 +158,7 @@ class HookSet:
     def add(self) -> None:
         """Attach the hooks again (nothing if they are attached)."""
         if not self._hooks:
+            _let_compiled_graphs_see_new_hooks()
             self._hooks = self._attach()
             self._pause(self._paused)
 
@@ -175,3 +180,39 @@ class HookSet:
         self._paused = paused
         for hook in self._hooks:
             hook.paused = paused
+
+
+def _let_compiled_graphs_see_new_hooks() -> None:
+    """Clear ``torch.compile``'s caches if it has compiled anything since they were last
+    cleared, so that hooks about to be attached are traced into the next compiled call.
+
+    Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``,
+    on by default): a graph compiled before a hook was attached runs on without it, so a model
+    compiled and called once before its preconditioner was built (a first-order warm-up step)
+    would capture nothing and train first order for good. Clearing the caches costs a
+    recompilation of every compiled function of the process, hence the warning. Dynamo's
+    frame counter tells whether anything was compiled since the last clearing (its own
+    ``reset`` sets it to zero); not imported, nothing was.
+    """
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is None or not getattr(convert_frame, "FRAME_COUNTER", 0):
+        return
+    if not torch._dynamo.config.skip_nnmodule_hook_guards:
+        return
+    torch.compiler.reset()
+    warnings.warn("capture hooks attached after torch.compile had compiled code, which does "
+                  "not see hooks added later: its caches were cleared (torch.compiler.reset()) "
+                  "and the next compiled call compiles again with the hooks in; build the "
+                  "preconditioner (or call add_hooks) before the first compiled call to avoid "
+                  "the recompilation", stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost frame outside this package, so that a warning
+    points at the user's line however many of the package's frames lie between."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -126,6 +126,45 @@ def test_a_compiled_model_is_preconditioned_as_the_eager_one(make: type) -> None
     assert torch.allclose(updated[0], updated[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("attach", ["built after a compiled call", "attached again"])
+@pytest.mark.parametrize("make", PRECONDITIONERS)
+def test_hooks_attached_after_a_compiled_call_are_seen_by_the_compiled_model(
+        make: type, attach: str) -> None:
+    """Dynamo does not guard on module hooks: a graph compiled before the capture hooks were
+    attached (a first-order warm-up step, or a call between ``remove_hooks`` and
+    ``add_hooks``) ran on without them, and the model trained first order with a warning that
+    blamed ``model.train()``. Attaching clears the compiled caches, with a warning naming the
+    recompilation; the step then equals the eager one."""
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    stepped, caught = [], []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if attach == "built after a compiled call":
+                F.cross_entropy(forward(x), y).backward()
+                model.zero_grad()
+                precond = make(model)
+            else:
+                precond = make(model)
+                precond.remove_hooks()
+                forward(x)
+                precond.add_hooks()
+        caught.append([str(w.message) for w in seen if "torch.compile" in str(w.message)])
+        F.cross_entropy(forward(x), y).backward()
+        raw = model[0].weight.grad.clone()
+        precond.step()
+        assert not torch.equal(model[0].weight.grad, raw)  # preconditioned
+        stepped.append(model[0].weight.grad.clone())
+    torch._dynamo.reset()
+    assert caught[0] == [] and len(caught[1]) == 1 and "recompil" in caught[1][0]
+    torch.testing.assert_close(stepped[1], stepped[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("make", [*PRECONDITIONERS, BatchNormPreconditioner])
 def test_hooks_detach_and_attach_again_once(make: type) -> None:
     """``remove_hooks`` leaves the model as if no preconditioner were there (a forward pass
