@@ -135,11 +135,18 @@ class DistributedStrategy(Strategy):
         return signature
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ready": sorted(name for name, ok in self.ready.items() if ok)}
+        """Which layers are ready, and the buffer bytes :meth:`buffer_bytes` reports (a
+        resumed run reports the run's peak, not that of the steps since it resumed)."""
+        return {"ready": sorted(name for name, ok in self.ready.items() if ok),
+                "peak_buffer_bytes": self.communicator.peak_buffer_bytes,
+                "received_bytes": self._received_bytes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         ready = set(state["ready"])
         self.ready = {name: name in ready for name in self.ready}
+        self.communicator.peak_buffer_bytes = max(self.communicator.peak_buffer_bytes,
+                                                  int(state.get("peak_buffer_bytes", 0)))
+        self._received_bytes = int(state.get("received_bytes", 0))
 
     # Shared communication ----------------------------------------------------------------------
     def factor_reduction(self) -> FactorReduction:

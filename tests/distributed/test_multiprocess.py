@@ -353,6 +353,8 @@ def test_state_dict_round_trip(p2: list[dict[str, Any]], name: str) -> None:
         if P2_CONFIGS[name].get("precondition_dtype_tolerance"):
             assert trip["wide_state_sides"] > 0  # the checkpoint holds two dtypes
         assert trip["max_difference"] == 0.0
+        saved, loaded = trip["buffers"]  # the run's peak, not that of no step since loading
+        assert saved > 0 and loaded == saved
         assert f"rank: {1 - rank} saved, {rank} now" in trip["rejected_other_rank"]
         assert trip["ready"] == ["module.conv", "module.fc1", "module.fc2"]
 

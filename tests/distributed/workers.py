@@ -163,6 +163,7 @@ def state_dict_round_trip(rank: int, world_size: int, options: dict[str, Any]
     first = build()
     train(first, 3)
     wide_at_save = first[2].metrics().get("wide_state_sides", 0)
+    buffers_at_save = first[2].memory_usage()["buffers"]
     buffer = io.BytesIO()
     torch.save({"model": first[0].state_dict(), "pre": first[2].state_dict(),
                 "optimizer": first[3].state_dict()}, buffer)
@@ -174,6 +175,7 @@ def state_dict_round_trip(rank: int, world_size: int, options: dict[str, Any]
     second[0].load_state_dict(saved["model"])
     second[2].load_state_dict(saved["pre"])
     second[3].load_state_dict(saved["optimizer"])
+    buffers_loaded = second[2].memory_usage()["buffers"]
     got = train(second, 2)
 
     wrong_rank = dict(saved["pre"], signature=dict(saved["pre"]["signature"],
@@ -184,6 +186,7 @@ def state_dict_round_trip(rank: int, world_size: int, options: dict[str, Any]
     except ValueError as error:
         rejected = str(error)
     return {"wide_state_sides": wide_at_save,
+            "buffers": (buffers_at_save, buffers_loaded),
             "max_difference": max(_relative_error(g, e) for g, e in zip(got, expected,
                                                                           strict=True)),
             "ready": saved["pre"]["strategy"]["ready"],
