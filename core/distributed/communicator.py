@@ -258,7 +258,10 @@ class Communicator:
 
     @classmethod
     def simulated(cls, rank: int, world_size: int, **options: Any) -> Communicator:
-        """Rank ``rank`` of a simulated ``world_size``-rank job: records, moves nothing."""
+        """Rank ``rank`` of a simulated ``world_size``-rank job: records, moves nothing, and
+        keeps every entry of its ledger (a simulation's steps are few, and read entry by
+        entry)."""
+        options.setdefault("ledger", Ledger(rank=rank, keep_steps=None))
         return cls(SimulatedTransport(rank, world_size), **options)
 
     @property

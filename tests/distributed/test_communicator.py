@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from core.distributed import Communicator, average_gradients
+from core.distributed.ledger import Ledger
 from core.distributed.transport import SimulatedTransport
 
 
@@ -264,3 +265,24 @@ def test_a_float16_wire_warns_once_per_stage_when_values_this_rank_sends_are_los
     with pytest.warns(UserWarning, match=r"inverse_comm: 1 of the 2 values"):
         comm.start_broadcast([torch.tensor([1e-9, 1.0])], src=0, stage="inverse_comm",
                              dtype=torch.float16).wait()
+
+
+def test_a_ledger_keeps_the_last_steps_entries_and_the_older_ones_as_totals() -> None:
+    """Every collective of a long run was kept as an entry (one list grew without bound, and
+    MKOR's per-step metrics scanned it all); entries older than ``keep_steps`` steps are
+    folded into totals, so the run's summary and checkpoint stay exact."""
+    bounded, unbounded = Ledger(keep_steps=3), Ledger(keep_steps=None)
+    for ledger in (bounded, unbounded):
+        for step in range(10):
+            ledger.step = step
+            ledger.record(stage="factor_comm", op="all_reduce", dtype="float32",
+                          elements=10 + step, itemsize=4, group_size=2, traffic_bytes=step)
+            with ledger.at_step(step - 1):  # an entry of the previous step, recorded after
+                ledger.record(stage="bn_factor_comm", op="all_reduce", dtype="float32",
+                              elements=1, itemsize=4, group_size=2, traffic_bytes=2)
+    assert bounded.steps() == [7, 8, 9] and len(unbounded.entries) == 20
+    assert bounded.select(step=9) == unbounded.select(step=9)
+    assert bounded.summary() == unbounded.summary()
+    assert bounded.summary()["factor_comm"].elements == sum(10 + s for s in range(10))
+    assert bounded.state_dict() == unbounded.state_dict()
+    assert Communicator.simulated(0, 2).ledger.keep_steps is None  # a simulation reads all
