@@ -33,7 +33,7 @@ Peer numbers (KAISA, the DP-KFAC code, the MKOR code) are inputs (``--peer-*``);
 never runs their code. Run with one thread per process (ENVIRONMENT.md §1.6); the run records the
 thread settings and the load average, because other processes share the machine.
 
-    python scripts/bench.py --quick                      # tiny models, seconds (what the test runs)
+    python scripts/bench.py --quick                      # tiny models, 1-3 minutes (the test)
     python scripts/bench.py --json scripts/results/bench_cpu.json   # the full run (~20 minutes)
     python scripts/bench.py --device cuda --json scripts/results/bench_cuda.json
     python scripts/bench.py --reamortize scripts/results/bench_cpu.json --intervals 1 50
@@ -1317,7 +1317,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (``--help``); counts and the device are checked when parsed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="tiny models and kernel sizes: a smoke run of seconds")
+                        help="tiny models and kernel sizes: a smoke run of 1-3 minutes")
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS),
                         help=f"default: {' '.join(FULL)} (--quick: {' '.join(QUICK)})")
     parser.add_argument("--methods", nargs="+", choices=[m.name for m in METHODS],

@@ -10,7 +10,7 @@ Examples::
     torchrun --nnodes 16 --nproc_per_node 8 ... -m reproductions.osawa2018.train \\
         --config imagenet_bs32k --image-folder /data/imagenet --out runs/bs32k
     # continue an interrupted run from its newest checkpoint
-    python -m reproductions.osawa2018.train --out runs/default --resume
+    python -m reproductions.osawa2018.train --resume
     # survive a failed worker: torchrun restarts the group, which resumes from its checkpoints
     torchrun --nproc_per_node 8 --max-restarts 3 ... -m reproductions.osawa2018.train \\
         --out runs/bs32k --checkpoint-every 100
@@ -194,6 +194,9 @@ def _run(config: OsawaConfig, ctx: DistContext, *, out: Path, data_dir: str | No
             restart = f"restart {ctx.restarts}: " if ctx.restarts else ""
             tqdm.write(f"{restart}resuming from the checkpoint of step {trainer.step}",
                        file=sys.stderr)
+    elif resume and ctx.is_main:  # a restart that failed before the first checkpoint, or
+        # a --resume given an --out that holds none: say so rather than start silently
+        tqdm.write(f"no checkpoint in {checkpoints}: starting afresh", file=sys.stderr)
     tracker = Tracker(paper=PAPER, experiment=config.name, optimizer=config.optimizer,
                       seed=config.seed, config=config.to_dict(), directory=out, mode=wandb,
                       run_id=wandb_id, enabled=ctx.is_main)

@@ -77,12 +77,17 @@ def test_every_recipe_switch_can_be_turned_off(tmp_path: Path, optimizer: str) -
         load_config("fmnist_default", {"lrdecay": 1})
 
 
-def test_resume_continues_exactly(tmp_path: Path) -> None:
+def test_resume_continues_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A resumed run equals an uninterrupted one; ``--resume`` where there is no checkpoint
+    starts afresh saying so (it had started silently, as for a mistyped ``--out``)."""
     config = load_config("fmnist_default", TINY)  # running mixup and erasing on
-    straight = run(config, out=tmp_path / "a", max_steps=3, wandb="disabled", progress=False)
+    straight = run(config, out=tmp_path / "a", max_steps=3, resume=True, wandb="disabled",
+                   progress=False)
+    assert "no checkpoint in " in capsys.readouterr().err
     run(config, out=tmp_path / "b", max_steps=2, wandb="disabled", progress=False)
     resumed = run(config, out=tmp_path / "b", max_steps=3, resume=True, wandb="disabled",
                   progress=False)
+    assert "resuming from the checkpoint of step 2" in capsys.readouterr().err
     assert straight is not None and resumed is not None
     assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in straight["steps"]]
     assert resumed["evals"] == straight["evals"]  # the stop added no evaluation of its own
