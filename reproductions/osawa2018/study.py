@@ -22,8 +22,10 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,15 +136,33 @@ def execute(runs: list[StudyRun], out_root: Path, *, jobs: int, wandb: str,
     pending = [run for run in runs if not finished(run, out_root / run.name)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     active: list[tuple[StudyRun, subprocess.Popen[bytes], float]] = []
-    failed = []
+    failed: list[str] = []
+    main_thread = threading.current_thread() is threading.main_thread()  # signals go there
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if main_thread else None
+    try:
+        _run_pending(pending, active, failed, out_root, jobs=jobs, env=env, wandb=wandb,
+                     data_dir=data_dir)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        _stop([process for _, process, _ in active])
+    return failed
+
+
+def _run_pending(pending: list[StudyRun],
+                 active: list[tuple[StudyRun, subprocess.Popen[bytes], float]],
+                 failed: list[str], out_root: Path, *, jobs: int, env: dict[str, str],
+                 wandb: str, data_dir: str | None) -> None:
+    """Start ``pending`` runs ``jobs`` at a time until all have ended, keeping ``active`` and
+    ``failed`` up to date (the caller stops what is still active if this is interrupted)."""
     while pending or active:
         while pending and len(active) < jobs:
             run = pending.pop(0)
             out = out_root / run.name
             out.mkdir(parents=True, exist_ok=True)
-            log = (out / "train.log").open("ab")
-            process = subprocess.Popen(run.command(out, wandb, data_dir), cwd=REPO, env=env,
-                                       stdout=log, stderr=subprocess.STDOUT)
+            with (out / "train.log").open("ab") as log:  # the run writes to its own copy
+                process = subprocess.Popen(run.command(out, wandb, data_dir), cwd=REPO,
+                                           env=env, stdout=log, stderr=subprocess.STDOUT)
             active.append((run, process, time.perf_counter()))
             print(f"started {run.name} (log: {out / 'train.log'})", flush=True)
         time.sleep(1.0)
@@ -155,7 +175,26 @@ def execute(runs: list[StudyRun], out_root: Path, *, jobs: int, wandb: str,
             print(f"{status}: {run.name} in {time.perf_counter() - started:.0f} s", flush=True)
             if process.returncode != 0:
                 failed.append(run.name)
-    return failed
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """Leave through ``finally`` blocks on SIGTERM, as on Ctrl-C."""
+    raise SystemExit(128 + signum)
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the runs still going when the study is interrupted (Ctrl-C reaches them too; a
+    SIGTERM to the study alone did not, and they went on writing beside a study started
+    again). Each resumes from its last checkpoint when the study runs again."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def collect(runs: list[StudyRun], out_root: Path, results_dir: Path) -> None:

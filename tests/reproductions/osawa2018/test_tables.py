@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -269,3 +274,36 @@ def test_tables_cli_prints_o5_with_rates_from_a_file(tmp_path: Path,
         {**json.loads(rates.read_text()), "gemm_flops": 0}))
     with pytest.raises(ValueError, match="gemm_flops"):
         KernelRates.load(tmp_path / "bad.json")
+
+
+_SLEEPING_STUDY = """
+import sys, time
+from pathlib import Path
+from reproductions.osawa2018 import study
+
+class Sleeper(study.StudyRun):
+    def command(self, out, wandb, data_dir):
+        return [sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); "
+                "time.sleep(120)"]
+
+study.execute([Sleeper("a", "fmnist_default", {})], Path(sys.argv[1]), jobs=1,
+              wandb="disabled", data_dir=None)
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_study_stops_its_runs(tmp_path: Path, how: str) -> None:
+    """A study stopped by a signal to itself alone stops the training runs it started: they
+    went on writing, beside a study started again, into the checkpoints it resumes from."""
+    repo = Path(__file__).resolve().parents[3]
+    runner = subprocess.Popen([sys.executable, "-c", _SLEEPING_STUDY, str(tmp_path)], cwd=repo,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+    log = tmp_path / "a" / "train.log"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(log.read_text().split()[0])
+    runner.send_signal(getattr(signal, how))
+    assert runner.wait(timeout=60) != 0
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by the study
+        os.kill(child, 0)
