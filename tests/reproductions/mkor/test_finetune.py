@@ -93,6 +93,7 @@ def test_an_interrupted_finetuning_run_resumes_exactly(model_dir: Path, tmp_path
     assert len(second["steps"]) == 3 and len(second["evals"]) == 1
     resumed = glue.main([*parts, "--resume"])
     assert resumed["finished"] is not None
+    assert resumed["config"]["stop_after"] is None  # the finishing invocation's, not the first's
     for key in ("loss", "lr"):
         assert [s[key] for s in resumed["steps"]] == [s[key] for s in whole["steps"]], key
     assert resumed["evals"] == whole["evals"] and resumed["summary"] == whole["summary"]
