@@ -146,7 +146,9 @@ class HookSet:
     def __init__(self, attach: Callable[[], list[CaptureHooks]]) -> None:
         self._attach = attach
         self._paused = False
-        _let_compiled_graphs_see_new_hooks()
+        self._compiled_when_removed = 0
+        if _frames_compiled():  # perhaps this model, without the hooks
+            _let_compiled_graphs_see_new_hooks()
         self._hooks = attach()
 
     def remove(self) -> None:
@@ -154,11 +156,14 @@ class HookSet:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._compiled_when_removed = _frames_compiled()
 
     def add(self) -> None:
         """Attach the hooks again (nothing if they are attached)."""
         if not self._hooks:
-            _let_compiled_graphs_see_new_hooks()
+            compiled = _frames_compiled()
+            if compiled and compiled != self._compiled_when_removed:  # compiled without them
+                _let_compiled_graphs_see_new_hooks()
             self._hooks = self._attach()
             self._pause(self._paused)
 
@@ -182,21 +187,25 @@ class HookSet:
             hook.paused = paused
 
 
+def _frames_compiled() -> int:
+    """Frames ``torch.compile`` has compiled since its caches were last cleared (dynamo's
+    ``reset`` sets its counter to zero); 0 where dynamo was never imported."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    return int(getattr(convert_frame, "FRAME_COUNTER", 0)) if convert_frame else 0
+
+
 def _let_compiled_graphs_see_new_hooks() -> None:
-    """Clear ``torch.compile``'s caches if it has compiled anything since they were last
-    cleared, so that hooks about to be attached are traced into the next compiled call.
+    """Clear ``torch.compile``'s caches, so that hooks about to be attached are traced into
+    the next compiled call; the caller has found that code may have been compiled without
+    them.
 
     Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``,
     on by default): a graph compiled before a hook was attached runs on without it, so a model
     compiled and called once before its preconditioner was built (a first-order warm-up step)
-    would capture nothing and train first order for good. Clearing the caches costs a
-    recompilation of every compiled function of the process, hence the warning. Dynamo's
-    frame counter tells whether anything was compiled since the last clearing (its own
-    ``reset`` sets it to zero); not imported, nothing was.
+    would capture nothing and train first order for good. Which model a compiled frame belongs
+    to is not known here, so anything compiled counts; clearing the caches costs a
+    recompilation of every compiled function of the process, hence the warning.
     """
-    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
-    if convert_frame is None or not getattr(convert_frame, "FRAME_COUNTER", 0):
-        return
     if not torch._dynamo.config.skip_nnmodule_hook_guards:
         return
     torch.compiler.reset()

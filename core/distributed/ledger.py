@@ -96,7 +96,9 @@ class Ledger:
     Attributes:
         rank: The rank this ledger belongs to.
         step: Step tag given to new entries (set by the strategy from the preconditioner).
-        entries: The recorded entries of the last ``keep_steps`` steps, in issue order.
+        entries: The recorded entries, in issue order: those of steps within the last
+            ``keep_steps`` (an entry tagged with an older step after those were folded, by
+            :meth:`at_step`, stays until the next folding).
         carried: Per-stage totals of the collectives no longer in :attr:`entries`: those of
             a run before it was resumed (:meth:`load_state_dict`; a checkpoint keeps totals,
             not every entry of a long run) and those of steps older than ``keep_steps``.
@@ -146,19 +148,20 @@ class Ledger:
             self.step = saved
 
     def steps(self) -> list[int]:
-        """Steps that have entries (of the last ``keep_steps``), ascending."""
+        """Steps that have entries (within the last ``keep_steps``), ascending."""
         return sorted({e.step for e in self.entries})
 
     def select(self, *, step: int | None = None, stage: str | None = None,
                op: str | None = None) -> list[LedgerEntry]:
-        """Entries matching every given filter (of the last ``keep_steps`` steps)."""
+        """Entries matching every given filter (within the last ``keep_steps`` steps)."""
         return [e for e in self.entries
                 if (step is None or e.step == step) and (stage is None or e.stage == stage)
                 and (op is None or e.op == op)]
 
     def summary(self, step: int | None = None) -> dict[str, StageTotals]:
         """Totals per stage, for one step or (``step=None``) over everything recorded,
-        :attr:`carried` included."""
+        :attr:`carried` included. A step's totals come from its entries, so they are those
+        of a step within the last ``keep_steps``; an older step's are in the run's totals."""
         totals: dict[str, StageTotals] = defaultdict(StageTotals)
         if step is None:
             for stage, carried in self.carried.items():

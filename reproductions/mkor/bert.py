@@ -448,6 +448,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         scaler.load_state_dict(state["scaler"])
         restore_rng_state(state["rng"])
         recorder = RunRecorder.from_data(state["results"])
+        recorder.update(config=run_config)  # this invocation's (RESUME_CHECK's ignored fields)
         ledger = state["ledger"]
         earlier_stages = state["stage_time_s"]
         start, wandb_id = state["step"], state["wandb_id"]

@@ -143,9 +143,11 @@ def execute(runs: list[StudyRun], out_root: Path, *, jobs: int, wandb: str,
         _run_pending(pending, active, failed, out_root, jobs=jobs, env=env, wandb=wandb,
                      data_dir=data_dir)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-        _stop([process for _, process, _ in active])
+        try:
+            _stop([process for _, process, _ in active])
+        finally:
+            if previous is not None:  # None: a handler not set from Python, left as it was
+                signal.signal(signal.SIGTERM, previous)
     return failed
 
 
@@ -163,7 +165,7 @@ def _run_pending(pending: list[StudyRun],
             with (out / "train.log").open("ab") as log:  # the run writes to its own copy
                 process = subprocess.Popen(run.command(out, wandb, data_dir), cwd=REPO,
                                            env=env, stdout=log, stderr=subprocess.STDOUT)
-            active.append((run, process, time.perf_counter()))
+                active.append((run, process, time.perf_counter()))  # stopped if interrupted
             print(f"started {run.name} (log: {out / 'train.log'})", flush=True)
         time.sleep(1.0)
         for entry in list(active):

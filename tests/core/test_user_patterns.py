@@ -126,15 +126,17 @@ def test_a_compiled_model_is_preconditioned_as_the_eager_one(make: type) -> None
     assert torch.allclose(updated[0], updated[1], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("attach", ["built after a compiled call", "attached again"])
+@pytest.mark.parametrize("attach", ["built after a compiled call", "attached again",
+                                    "attached again, compiled with them"])
 @pytest.mark.parametrize("make", PRECONDITIONERS)
 def test_hooks_attached_after_a_compiled_call_are_seen_by_the_compiled_model(
         make: type, attach: str) -> None:
     """Dynamo does not guard on module hooks: a graph compiled before the capture hooks were
-    attached (a first-order warm-up step, or a call between ``remove_hooks`` and
+    attached (a first-order warm-up step, or a first call between ``remove_hooks`` and
     ``add_hooks``) ran on without them, and the model trained first order with a warning that
     blamed ``model.train()``. Attaching clears the compiled caches, with a warning naming the
-    recompilation; the step then equals the eager one."""
+    recompilation; the step then equals the eager one. Where nothing was compiled while the
+    hooks were off, attaching them again clears nothing."""
     torch.manual_seed(1)
     x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
     stepped, caught = [], []
@@ -151,6 +153,10 @@ def test_hooks_attached_after_a_compiled_call_are_seen_by_the_compiled_model(
                 precond = make(model)
             else:
                 precond = make(model)
+                if attach == "attached again, compiled with them":
+                    F.cross_entropy(forward(x), y).backward()
+                    precond.discard_pending()
+                    model.zero_grad()
                 precond.remove_hooks()
                 forward(x)
                 precond.add_hooks()
@@ -161,7 +167,11 @@ def test_hooks_attached_after_a_compiled_call_are_seen_by_the_compiled_model(
         assert not torch.equal(model[0].weight.grad, raw)  # preconditioned
         stepped.append(model[0].weight.grad.clone())
     torch._dynamo.reset()
-    assert caught[0] == [] and len(caught[1]) == 1 and "recompil" in caught[1][0]
+    assert caught[0] == []
+    if attach == "attached again, compiled with them":
+        assert caught[1] == []
+    else:
+        assert len(caught[1]) == 1 and "recompil" in caught[1][0]
     torch.testing.assert_close(stepped[1], stepped[0], rtol=1e-5, atol=1e-6)
 
 

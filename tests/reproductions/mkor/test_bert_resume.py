@@ -62,11 +62,13 @@ def test_a_torchrun_restart_resumes_without_the_flag(
 def test_stage_times_of_a_resumed_run_include_the_steps_before_the_resume(
         run_args: list[str], tmp_path: Path) -> None:
     """K-FAC inverts only at step 0 here: an uninterrupted run reports that inversion's time,
-    and so must a run resumed at step 2, which inverts nothing itself."""
+    and so must a run resumed at step 2, which inverts nothing itself. The resumed run
+    records the settings it was resumed with (a checkpoint interval may change)."""
     args = [*run_args, "--optimizers", "kfac", "--steps", "4", "--wandb", "disabled",
             "--set", "preconditioner.kfac.inv_update_steps=100"]
     bert.main([*args, "--stop-after", "2"])
-    (resumed,) = bert.main([*args, "--resume"])
+    (resumed,) = bert.main([*args, "--set", "checkpoint_every=3", "--resume"])
+    assert resumed["config"]["checkpoint_every"] == 3  # this invocation's, not the first's
     stages = resumed["optimizer_stage_time_s"]
     assert stages.get("inversion", 0.0) > 0.0
     assert all(stages[name] > 0.0 for name in ("factors", "precondition", "base_step"))
