@@ -351,8 +351,15 @@ class RunRecorder:
         }
 
     @classmethod
-    def from_data(cls, data: Mapping[str, Any]) -> RunRecorder:
+    def from_data(cls, data: Mapping[str, Any],
+                  config: Mapping[str, Any] | None = None) -> RunRecorder:
         """Continue recording into an existing results object (e.g. restored from a checkpoint).
+
+        Args:
+            data: The results so far.
+            config: The settings of the run continuing them, recorded in place of those
+                saved (a resumed run may differ in what its resume check lets differ, such
+                as ``--stop-after`` or a checkpoint interval).
 
         Raises:
             ResultsError: ``data`` is not in the schema.
@@ -360,6 +367,8 @@ class RunRecorder:
         validate_results(data)
         recorder = cls.__new__(cls)
         recorder.data = json.loads(json.dumps(data))
+        if config is not None:
+            recorder.update(config=config)
         return recorder
 
     def log_step(self, step: int, **metrics: float | None) -> None:

@@ -284,8 +284,7 @@ def train_one(name: str, config: TrainConfig, ctx: DistContext, *, out: Path, ru
         restore_rng_state(state["rng"])
         step, elapsed, run_id = state["step"] + 1, state["elapsed"], state["wandb_id"]
         if ctx.is_main:  # its records so far, under this run's settings (--max-steps)
-            recorder = RunRecorder.from_data(state["results"])
-            recorder.update(config=run_config)
+            recorder = RunRecorder.from_data(state["results"], run_config)
     tracker = Tracker(paper=PAPER, experiment=config.experiment, optimizer=name,
                       seed=config.seed, config=run_config, directory=run_dir, mode=wandb_mode,
                       run_id=run_id, enabled=ctx.is_main)

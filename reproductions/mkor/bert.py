@@ -447,8 +447,7 @@ def train(cfg: PretrainConfig, name: str, ctx: DistContext, args: argparse.Names
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         restore_rng_state(state["rng"])
-        recorder = RunRecorder.from_data(state["results"])
-        recorder.update(config=run_config)  # this invocation's (RESUME_CHECK's ignored fields)
+        recorder = RunRecorder.from_data(state["results"], run_config)
         ledger = state["ledger"]
         earlier_stages = state["stage_time_s"]
         start, wandb_id = state["step"], state["wandb_id"]

@@ -205,8 +205,7 @@ def fine_tune(model: nn.Module, train: Dataset, collate: Callable[[list[dict]], 
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         restore_rng_state(state["rng"])
-        recorder = RunRecorder.from_data(state["results"])
-        recorder.update(config=config)  # this invocation's --stop-after, paths and W&B mode
+        recorder = RunRecorder.from_data(state["results"], config)
         start, wandb_id = state["step"], state["wandb_id"]
         tqdm.write(f"{task} {label}: resuming from the checkpoint of step {start}",
                    file=sys.stderr)
