@@ -53,3 +53,25 @@ def test_strided_and_transposed_tensors_travel_whole_and_leave_their_neighbours_
         block = torch.zeros(6, 6, dtype=torch.float64)
         block[:4, :4] = _symmetric(0)
         torch.testing.assert_close(result["block"], block, rtol=0, atol=0)
+
+
+def gathered_segments(rank: int, world_size: int) -> dict[str, list[float]]:
+    """Each rank's own segment holds ``rank + 1``; the others are receive buffers holding −7.
+    Equal segment sizes go through one ``all_gather``; unequal ones through broadcasts."""
+    torch.set_num_threads(1)
+    comm = Communicator.from_torch()
+    result = {}
+    for label, shapes in (("equal", [(2, 2), (2, 2)]), ("unequal", [(2, 2), (3,)])):
+        segments = [[torch.full(shape, float(r + 1) if r == rank else -7.0)]
+                    for r, shape in enumerate(shapes)]
+        comm.all_gather_v(segments, stage="grad_comm")
+        result[label] = [float(v) for segment in segments for v in segment[0].flatten()]
+    return result
+
+
+def test_all_gather_v_gives_every_rank_every_rank_s_segment() -> None:
+    """The simulated transport cannot tell which buffer a rank sends; gloo can."""
+    results = run_workers(gathered_segments, 2, timeout=120)
+    for result in results:
+        assert result["equal"] == [1.0] * 4 + [2.0] * 4
+        assert result["unequal"] == [1.0] * 4 + [2.0] * 3
