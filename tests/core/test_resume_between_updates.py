@@ -46,7 +46,7 @@ def train_step(net: nn.Module, precond: Any, step: int, scale: float = 1.0) -> l
     grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
     with torch.no_grad():
         for p, g in zip(net.parameters(), grads, strict=True):
-            p -= 0.1 * g
+            p.sub_(0.1 * g)
     return grads
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.distributed import Communicator, average_gradients
-from core.distributed.ledger import Ledger
+from core.distributed.ledger import Ledger, StageTotals
 from core.distributed.transport import SimulatedTransport
 
 
@@ -283,6 +283,29 @@ def test_a_ledger_keeps_the_last_steps_entries_and_the_older_ones_as_totals() ->
     assert bounded.steps() == [7, 8, 9] and len(unbounded.entries) == 20
     assert bounded.select(step=9) == unbounded.select(step=9)
     assert bounded.summary() == unbounded.summary()
-    assert bounded.summary()["factor_comm"].elements == sum(10 + s for s in range(10))
+    elements = sum(10 + s for s in range(10))
+    assert bounded.summary() == {
+        "factor_comm": StageTotals(10, elements, 4 * elements, sum(range(10))),
+        "bn_factor_comm": StageTotals(10, 10, 40, 20)}
     assert bounded.state_dict() == unbounded.state_dict()
     assert Communicator.simulated(0, 2).ledger.keep_steps is None  # a simulation reads all
+
+
+def test_a_ledger_loaded_from_a_checkpoint_counts_only_the_checkpoints_collectives() -> None:
+    """A rollback to an earlier checkpoint: the collectives of the abandoned steps, recorded
+    before the load, are not counted on top of the saved totals."""
+    ledger = Ledger()
+
+    def record(step: int) -> None:
+        ledger.step = step
+        ledger.record(stage="factor_comm", op="all_reduce", dtype="float32", elements=10,
+                      itemsize=4, group_size=2, traffic_bytes=40)
+
+    record(0)
+    saved = ledger.state_dict()
+    record(1)
+    record(2)
+    ledger.load_state_dict(saved)
+    assert ledger.summary() == {"factor_comm": StageTotals(1, 10, 40, 40)}
+    record(1)
+    assert ledger.summary() == {"factor_comm": StageTotals(2, 20, 80, 80)}

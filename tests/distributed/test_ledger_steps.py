@@ -11,7 +11,9 @@ from torch import nn
 
 from core import KFACPreconditioner, MKORPreconditioner
 from core.batchnorm import BatchNormPreconditioner
-from core.distributed import average_gradients
+from core.config import KFACConfig
+from core.distributed import Communicator, average_gradients
+from core.distributed.strategies import make_strategy
 from tests.distributed.helpers import run_workers
 
 
@@ -63,3 +65,28 @@ def test_collectives_are_tagged_with_their_own_step() -> None:
     entries = run_workers(mkor_with_gradient_average, 2)[0]
     assert entries == [(step, stage) for step in range(3)
                        for stage in ("grad_allreduce", "factor_comm")]
+
+
+def test_a_resumed_run_tags_its_collectives_with_the_resumed_step() -> None:
+    """After ``load_state_dict`` at step 3, the first step's collectives were tagged 0 (the
+    fresh strategy's tag), so a resumed run's per-step ledger read the wrong step."""
+    def make() -> tuple[nn.Module, KFACPreconditioner]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        strategy = make_strategy(KFACConfig(), Communicator.simulated(0, 2))
+        return model, KFACPreconditioner(model, strategy_impl=strategy)
+
+    def train_step(model: nn.Module, precond: KFACPreconditioner) -> None:
+        model.zero_grad()
+        model(torch.randn(8, 4)).square().mean().backward()
+        precond.step()
+
+    model, precond = make()
+    for _ in range(3):
+        train_step(model, precond)
+    saved = precond.state_dict()
+    model, precond = make()
+    precond.load_state_dict(saved)
+    train_step(model, precond)
+    tags = {entry.step for entry in precond.strategy.communicator.ledger.entries}
+    assert tags == {3}
