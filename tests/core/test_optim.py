@@ -77,6 +77,13 @@ def test_state_dict_round_trip_gives_an_identical_next_step(name: str) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+def test_a_state_saved_by_another_optimizer_is_refused() -> None:
+    _, sgd = _make("sgd")
+    _, kfac = _make("kfac")
+    with pytest.raises(ValueError, match="saved by 'sgd', this is 'kfac'"):
+        kfac.load_state_dict(sgd.state_dict())
+
+
 def test_compositions_and_bases() -> None:
     _, mkor_lamb = _make("mkor", base="lamb")
     assert isinstance(mkor_lamb.base, Lamb)
@@ -89,6 +96,35 @@ def test_compositions_and_bases() -> None:
     assert hybrid.preconditioner.preconditioner.config.stat_decay == 0.9
 
 
+@pytest.mark.parametrize(("name", "options", "expected"), [
+    ("sgd", {"momentum": 0.5}, {"momentum": 0.5}),
+    ("adamw", {"betas": (0.8, 0.9)}, {"betas": (0.8, 0.9)}),
+    ("lamb", {"betas": (0.8, 0.9)}, {"betas": (0.8, 0.9)}),
+    ("kfac", {"base": "lamb", "betas": (0.7, 0.95)}, {"betas": (0.7, 0.95)}),
+])
+def test_momentum_and_betas_reach_the_base_optimizer(name: str, options: dict,
+                                                      expected: dict) -> None:
+    _, opt = _make(name, **options)
+    for group in opt.param_groups:
+        assert {key: group[key] for key in expected} == expected
+
+
+def test_a_weight_shared_by_two_layers_is_updated_once() -> None:
+    """A tied weight listed twice in a group got the base's update twice per step."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+    second.weight = first.weight
+    model = nn.Sequential(first, second)
+    opt = build_optimizer("sgd", model, lr=0.1, momentum=0.0)
+    assert [len(group["params"]) for group in opt.param_groups] == [1]
+    before = first.weight.detach().clone()
+    model(torch.ones(2, 3)).sum().backward()
+    assert first.weight.grad is not None
+    expected = before - 0.1 * first.weight.grad
+    opt.step()
+    torch.testing.assert_close(first.weight.detach(), expected, rtol=0, atol=1e-7)
+
+
 def test_weight_decay_excludes_bias_and_layernorm_for_lamb_and_adamw_only() -> None:
     for name in ("lamb", "adamw"):
         model, opt = _make(name)
@@ -99,8 +135,9 @@ def test_weight_decay_excludes_bias_and_layernorm_for_lamb_and_adamw_only() -> N
     assert len(sgd.param_groups) == 1 and sgd.param_groups[0]["weight_decay"] == 0.01
 
 
-def test_lr_schedule_on_the_base_reaches_the_kl_clip() -> None:
-    model, opt = _make("kfac")
+@pytest.mark.parametrize("name", ["kfac", "eva"])
+def test_lr_schedule_on_the_base_reaches_the_kl_clip(name: str) -> None:
+    model, opt = _make(name)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt.base, lambda step: 0.5 ** step)
     _train(model, opt, _batches(1))
     schedule.step()
@@ -114,6 +151,7 @@ def test_lr_schedule_on_the_base_reaches_the_kl_clip() -> None:
     ("mkor", {"base": "adagrad"}, "base"),
     ("adamw", {"damping": 0.1}, "damping"),
     ("mkor", {"damping": 0.1}, "damping"),
+    ("sgd", {"weight_decay": -0.1}, "weight_decay"),
 ])
 def test_bad_names_and_options(name: str, kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError) as err:
