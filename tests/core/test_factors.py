@@ -88,7 +88,7 @@ def test_conv2d_factors_match_naive_patches(monkeypatch: pytest.MonkeyPatch, sca
 
 
 @pytest.mark.parametrize("shifted", [True, False])
-@pytest.mark.parametrize(("kernel", "dilation"), [(3, 1), ((3, 5), (2, 1))])
+@pytest.mark.parametrize(("kernel", "dilation"), [(3, 1), ((3, 5), 1), ((3, 5), (2, 1))])
 def test_same_padding_factors_match_naive_patches_of_its_integer_padding(
         monkeypatch: pytest.MonkeyPatch, kernel: int | tuple[int, int],
         dilation: int | tuple[int, int], shifted: bool) -> None:
@@ -109,6 +109,16 @@ def test_same_padding_factors_match_naive_patches_of_its_integer_padding(
                                      scaling="kfc")
     torch.testing.assert_close(a, ref_a)
     torch.testing.assert_close(g, ref_g)
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
+def test_conv_padding_other_than_zeros_is_skipped_with_warning(mode: str) -> None:
+    """Its patches would be zero-padded where the layer pads with other values."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, padding_mode=mode), nn.Flatten(),
+                          nn.Linear(75, 2))
+    with pytest.warns(UserWarning, match=f"padding_mode='{mode}'"):
+        precond = KFACPreconditioner(model)
+    assert [layer.name for layer in precond.layers] == ["2"]
 
 
 def test_grouped_conv_is_skipped_with_warning() -> None:

@@ -664,6 +664,12 @@ def test_the_kl_clip_of_an_overflowing_product_is_zero_not_one() -> None:
     assert kl_clip_scale(1e-300, 1e-200, 1e-3) == 1.0  # the denominator underflows to 0
 
 
+def test_the_kl_clip_never_enlarges_a_step() -> None:
+    """``sqrt(κ) / (lr·sqrt|Σ|)`` above 1 (a small step) leaves the step as it is."""
+    assert kl_clip_scale(1e-4, 0.1, 1e-3) == 1.0
+    assert kl_clip_scale(-1e-4, 0.1, 1e-3) == 1.0
+
+
 def test_a_factor_with_thousands_of_zero_rows_is_decomposed() -> None:
     """The ``A`` of a 3x3 convolution over 1x1-pixel inputs: only the centre tap of each of 256
     channels is ever non-zero, so 2,048 of its 2,304 rows are zero, and LAPACK's divide and
