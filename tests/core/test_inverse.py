@@ -497,6 +497,10 @@ def test_a_loaded_checkpoint_is_copied_onto_the_layers_dtype() -> None:
     wrong["state"] = [t[:-1, :-1] for t in wrong["state"]]  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=f"{layer.name}: saved inverse state has shapes"):
         layer.load_state_dict(wrong)
+    wrong = dict(layer.state_dict(), A=torch.eye(layer.a_dim + 1, dtype=torch.float64),
+                 state_kind=None, state=None)  # factors saved before the first inversion
+    with pytest.raises(ValueError, match=f"{layer.name}: saved factor A has shape"):
+        layer.load_state_dict(wrong)
 
 
 @pytest.mark.parametrize("exponent", [-47, -24, 0, 30])

@@ -608,6 +608,10 @@ def test_state_dict_round_trip_gives_the_same_next_step() -> None:
     saved["layers"]["9"] = saved["layers"].pop("3")  # a state of another model
     with pytest.raises(ValueError, match=r"missing \['3'\], unexpected \['9'\]"):
         resumed.load_state_dict(saved)
+    layer = resumed.layers[0]
+    wrong = dict(layer.state_dict(), a_inv=torch.eye(layer.a_dim + 1))
+    with pytest.raises(ValueError, match=f"{layer.name}: saved a_inv has shape"):
+        layer.load_state_dict(wrong)
 
 
 # Averaging across ranks (2 gloo processes) -----------------------------------------------
