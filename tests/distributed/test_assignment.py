@@ -60,6 +60,27 @@ def test_split_factors_stay_in_the_layer_group_and_beat_colocation() -> None:
     assert max(split.loads()) < max(assign(works, 4, groups=groups).loads())
 
 
+def test_greedy_keeps_model_order_among_equal_costs() -> None:
+    works = [LayerWork(f"layer{i}", 64, 64) for i in range(4)]
+    assert [a for _, a, _ in assign(works, 2).as_rows()] == [0, 1, 0, 1]
+
+
+def test_greedy_picks_the_group_with_the_least_total_load() -> None:
+    """Four equal layers over two groups of two: one layer per rank (by the groups' largest
+    member load instead, the second group fills one rank and leaves the other idle)."""
+    works = [LayerWork(f"layer{i}", 3, 4) for i in range(4)]
+    assignment = assign(works, 4, groups=[(0, 2), (1, 3)])
+    assert assignment.loads() == [3.0**3 + 4.0**3] * 4
+
+
+def test_greedy_places_a_layers_larger_factor_first() -> None:
+    """Longest processing time first: each layer's 5×5 factor goes to the emptier rank, so
+    the loads end 5³ + 4³ each (the smaller first ends one rank at 5³ + 5³)."""
+    works = [LayerWork("x", 4, 5), LayerWork("y", 5, 4)]
+    assignment = assign(works, 2, colocate=False, groups=[(0, 1)])
+    assert assignment.loads() == [5.0**3 + 4.0**3] * 2
+
+
 def test_round_robin_follows_model_order() -> None:
     works = _works(10)
     rows = assign(works, 4, policy="round-robin").as_rows()
@@ -67,6 +88,8 @@ def test_round_robin_follows_model_order() -> None:
     split = assign(works, 4, policy="round-robin", colocate=False,
                    groups=[(0, 1, 2, 3)]).as_rows()
     assert [(a, g) for _, a, g in split][:3] == [(0, 1), (2, 3), (0, 1)]
+    columns = assign(works[:4], 4, policy="round-robin", groups=[(0, 2), (1, 3)]).as_rows()
+    assert [a for _, a, _ in columns] == [0, 1, 2, 3]  # turns within each group too
 
 
 def test_contiguous_is_numpy_array_split() -> None:
@@ -91,6 +114,8 @@ def test_rejects_bad_policy_and_groups() -> None:
         assign(_works(2), 2, policy="random")
     with pytest.raises(ValueError, match="partition"):
         assign(_works(2), 4, groups=[(0, 1), (1, 2)])
+    with pytest.raises(ValueError, match="partition"):  # every rank covered, one twice
+        assign(_works(2), 3, groups=[(0, 1), (1, 2)])
 
 
 def test_table_lists_every_layer_and_the_loads() -> None:
