@@ -73,6 +73,28 @@ def test_bucketing_splits_at_the_cap_and_keeps_order() -> None:
     assert plain.peak_buffer_bytes == 0 and len(plain.ledger.entries) == 3
 
 
+def test_buckets_hold_one_dtype_and_their_cap_is_in_mebibytes() -> None:
+    """A float32 and a float64 tensor do not share a buffer; ``bucket_cap_mb`` is in MiB, as
+    DDP's: 2²⁰ bytes hold 250,000 + 12,144 float32 values exactly (10⁶ bytes do not)."""
+    comm = Communicator.simulated(0, 2, bucket_cap_mb=1.0)
+    comm.all_reduce_many([torch.ones(10), torch.ones(10, dtype=torch.float64), torch.ones(2)],
+                         stage="factor_comm")
+    assert [(e.dtype, e.elements) for e in comm.ledger.entries] == [
+        ("float32", 10), ("float64", 10), ("float32", 2)]
+    comm.ledger.clear()
+    comm.all_reduce_many([torch.zeros(250_000), torch.zeros(12_144)], stage="factor_comm")
+    assert [e.elements for e in comm.ledger.entries] == [262_144]
+
+
+def test_a_group_without_this_rank_or_the_source_is_refused() -> None:
+    comm = Communicator.simulated(0, 4)
+    with pytest.raises(ValueError, match=r"rank 0 is not in group \(1, 2\)"):
+        comm.all_reduce(torch.ones(2), stage="factor_comm", group=[2, 1])
+    with pytest.raises(ValueError, match=r"broadcast source 3 is not in group \(0, 1\)"):
+        comm.start_broadcast([torch.ones(2)], src=3, stage="inverse_comm", group=[0, 1])
+    assert not comm.ledger.entries
+
+
 def test_uneven_reduce_scatter_and_all_gather_record_totals_and_own_share() -> None:
     comm = Communicator.simulated(1, 3)
     mats = [[_symmetric(2)], [_symmetric(3), _symmetric(4)], []]
