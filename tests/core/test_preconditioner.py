@@ -19,6 +19,7 @@ from core import (
     MKORPreconditioner,
 )
 from core.batchnorm import BatchNormPreconditioner
+from core.config import update_due
 from core.kfac_layer import KFACLayer
 from core.strategy import FactorReduction, Strategy
 
@@ -242,6 +243,32 @@ def test_bad_arguments_raise_an_error_naming_the_field(field: str, value: object
         KFACPreconditioner(mlp(), **{field: value})
     assert info.value.field_name == field
     assert "expected" in str(info.value)
+
+
+@pytest.mark.parametrize(("options", "field"), [
+    ({"strategy": "hybrid-opt", "grad_worker_fraction": 0.0}, "grad_worker_fraction"),
+    ({"strategy": "comm-opt", "grad_worker_fraction": 0.5}, "grad_worker_fraction"),
+    ({"strategy": "osawa", "colocate_factors": False}, "colocate_factors"),
+    ({"strategy": "dp-kfac", "colocate_factors": False}, "colocate_factors"),
+    ({"strategy": "comm-opt", "colocate_factors": False, "prediv_eigenvalues": True},
+     "colocate_factors"),
+    ({"inverse_method": "inverse", "prediv_eigenvalues": True}, "prediv_eigenvalues"),
+    ({"inverse_method": "cholesky_solve", "precondition_dtype": "bfloat16"},
+     "precondition_dtype"),
+    ({"precondition_dtype_tolerance": -0.1}, "precondition_dtype_tolerance"),
+    ({"assignment": "random"}, "assignment"),
+])
+def test_options_that_contradict_each_other_raise_naming_the_field(
+        options: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KFACConfig(**options)  # type: ignore[arg-type]
+    assert info.value.field_name == field
+
+
+@pytest.mark.parametrize("interval", [0, 1.5])
+def test_a_scheduled_interval_is_checked_when_it_is_evaluated(interval: float) -> None:
+    with pytest.raises(ConfigError, match="inv_update_steps"):
+        update_due("inv_update_steps", lambda step: interval, 3)  # type: ignore[arg-type,return-value]
 
 
 def test_unknown_option_and_eigen_with_pi_are_rejected() -> None:
