@@ -8,7 +8,9 @@ import random
 import numpy as np
 import pytest
 
+from core import ConfigError
 from core.distributed.assignment import LayerWork, assign
+from core.distributed.strategies import grad_workers
 
 
 def _works(n: int, seed: int = 0) -> list[LayerWork]:
@@ -122,3 +124,21 @@ def test_table_lists_every_layer_and_the_loads() -> None:
     table = assign(_works(3), 2).table()
     for name in ("layer0", "layer1", "layer2", "load per rank", "max/mean"):
         assert name in table
+
+
+@pytest.mark.parametrize(("name", "fraction", "world_size", "workers"), [
+    ("comm-opt", None, 8, 8), ("mem-opt", None, 8, 1), ("dp-kfac", None, 8, 1),
+    ("hybrid-opt", 0.5, 8, 4), ("hybrid-opt", 0.25, 8, 2), ("hybrid-opt", 0.01, 8, 1),
+])
+def test_gradient_workers_are_max_1_p_f(name: str, fraction: float | None, world_size: int,
+                                        workers: int) -> None:
+    assert grad_workers(name, fraction, world_size) == workers
+
+
+@pytest.mark.parametrize(("fraction", "world_size"), [(0.3, 4), (0.75, 4), (0.4, 10)])
+def test_a_gradient_worker_count_that_does_not_divide_the_ranks_is_refused(
+        fraction: float, world_size: int) -> None:
+    """1.2 workers is not a count; 3 of 4 ranks, or 4 of 10, do not split the ranks into
+    equal groups."""
+    with pytest.raises(ConfigError, match="grad_worker_fraction"):
+        grad_workers("hybrid-opt", fraction, world_size)
