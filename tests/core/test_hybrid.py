@@ -99,6 +99,20 @@ def test_non_finite_losses_are_not_evidence() -> None:
     assert loss_decrease_rate([1.0, 0.5, 0.25, 0.125], 2) == pytest.approx(0.375)
 
 
+def test_a_negative_loss_that_falls_has_a_positive_rate() -> None:
+    """The rate divides by ``|m_before|``: a loss going from −1 to −2 is decreasing."""
+    assert loss_decrease_rate([-1.0, -1.0, -2.0, -2.0], 2) == pytest.approx(0.5)
+
+
+def test_a_rate_equal_to_the_threshold_does_not_switch() -> None:
+    """The rule is ``rate < threshold``: a flat loss (rate 0) with threshold 0 never switches."""
+    switch = HybridSwitch(CountingPreconditioner(), window=2, threshold=0.0, min_steps=0)
+    for _ in range(6):
+        switch.observe(1.0)
+        switch.step()
+    assert not switch.switched
+
+
 def test_state_dict_resumes_switched_and_unswitched() -> None:
     losses = _curve(120)
     first = HybridSwitch(CountingPreconditioner(), window=10, threshold=1e-3, min_steps=0)
