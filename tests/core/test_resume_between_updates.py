@@ -78,3 +78,25 @@ def test_loading_a_checkpoint_between_updates_continues_as_the_uninterrupted_run
     for step, (got, want) in enumerate(zip(continued(name, how), expected, strict=True)):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=0, msg=f"step {SAVE_AT + step}")
+
+
+@pytest.mark.parametrize("name", ["kfac", "batchnorm"])
+def test_a_resumed_run_reports_the_checkpoints_failure_and_skip_counters(name: str) -> None:
+    net = model()
+    precond = PRECONDITIONERS[name](net)
+    train_step(net, precond, 0)
+    if name == "kfac":
+        precond.skipped_overflow_steps, precond.nonfinite_preconditioned = 2, 3
+        precond.layers[0].decomposition_failures = 4
+        precond.layers[1].nonfinite_factor_skips = 5
+        counters = ("skipped_overflow_steps", "nonfinite_preconditioned",
+                    "decomposition_failures", "nonfinite_factor_skips")
+    else:
+        precond.blocks[0].failures, precond.blocks[0].nonfinite_skips = 2, 3
+        counters = ("bn/decomposition_failures", "bn/nonfinite_skips")
+    saved = precond.metrics()
+    assert all(saved[key] > 0 for key in counters)
+    resumed = PRECONDITIONERS[name](model())
+    resumed.load_state_dict(copy.deepcopy(precond.state_dict()))
+    assert {key: resumed.metrics()[key] for key in counters} == {
+        key: saved[key] for key in counters}
