@@ -85,6 +85,7 @@ def test_a_resumed_run_reports_the_checkpoints_failure_and_skip_counters(name: s
     net = model()
     precond = PRECONDITIONERS[name](net)
     train_step(net, precond, 0)
+    counters: tuple[str, ...]
     if name == "kfac":
         precond.skipped_overflow_steps, precond.nonfinite_preconditioned = 2, 3
         precond.layers[0].decomposition_failures = 4
