@@ -581,6 +581,22 @@ def test_a_zero_sherman_morrison_denominator_is_a_counted_failure(rule: str) -> 
     assert torch.equal(layer.a_inv, start)
 
 
+def test_an_update_with_a_negative_denominator_takes_the_peak_of_the_whole_matrix() -> None:
+    """An indefinite inverse (one given to the layer) whose Sherman–Morrison denominator is
+    negative: the result is not definite, so its largest entry need not lie on the diagonal
+    (here it does not), and the cached stabiliser trigger must be the whole matrix's."""
+    mkor = MKORPreconditioner(nn.Linear(2, 1, bias=False), inv_update_steps=1,
+                              dtype="float64")
+    layer = mkor.layers[0]
+    layer.a_inv = torch.tensor([[-7.43, 3.69], [3.69, -5.78]], dtype=torch.float64)
+    layer.update(torch.tensor([1.68, -1.74], dtype=torch.float64),
+                 torch.tensor([0.5], dtype=torch.float64), gamma=0.95, rule="exact",
+                 epsilon=2.0, zeta=0.9)
+    largest = layer.a_inv.abs().max().item()
+    assert largest > 1.5 * layer.a_inv.diagonal().abs().max().item()
+    assert layer._a_peak == largest
+
+
 def test_state_dict_round_trip_gives_the_same_next_step() -> None:
     torch.manual_seed(9)
     data = [(torch.randn(6, 3, 5, 5), torch.randint(0, 4, (6,))) for _ in range(4)]
