@@ -278,6 +278,25 @@ def test_a_rounding_out_of_the_narrow_range_keeps_the_side_wide(
     torch.testing.assert_close(a_inv, torch.linalg.inv(layer.a.value + damping * eye))
 
 
+@pytest.mark.parametrize("narrow", [torch.float32, torch.bfloat16])
+def test_pre_divided_ratios_beyond_the_narrow_range_stay_wide_under_the_tolerance_check(
+        narrow: torch.dtype) -> None:
+    """The tolerance check tries ``eigen``'s eigenvalues, which fit the narrow dtype; the
+    pre-divided ratios ``1/(d_G d_A + λ)`` of the zero eigenvalues (``1/λ``) do not, and
+    would round to infinities: that side is kept in fp64, and the product is the exact one."""
+    layer, damping = singular_layer(), 1e-45
+    grad = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    layer.compute_inverse(method="eigen_prediv", damping=damping, split="full",
+                          dtype=torch.float64, state_dtype=narrow, grad=grad, tolerance=0.05)
+    state = layer.state
+    assert state is not None and layer.has_state
+    assert all(bool(t.isfinite().all()) for t in state.tensors())
+    d_a, q_a = torch.linalg.eigh(layer.a.value)
+    d_g, q_g = torch.linalg.eigh(layer.g.value)
+    exact = q_g @ ((q_g.T @ grad @ q_a) / (torch.outer(d_g, d_a) + damping)) @ q_a.T
+    torch.testing.assert_close(layer.precondition(grad, damping), exact, rtol=1e-10, atol=0)
+
+
 def test_set_side_takes_over_a_fresh_rounding_of_another_dtype() -> None:
     """A side kept wide whose next rounding is kept narrow: :meth:`rounded_side` rounds into
     new tensors, which :meth:`set_side` takes over instead of copying them again; a fresh
