@@ -672,6 +672,7 @@ def test_the_kl_clip_never_enlarges_a_step() -> None:
     """``sqrt(κ) / (lr·sqrt|Σ|)`` above 1 (a small step) leaves the step as it is."""
     assert kl_clip_scale(1e-4, 0.1, 1e-3) == 1.0
     assert kl_clip_scale(-1e-4, 0.1, 1e-3) == 1.0
+    assert kl_clip_scale(math.nan, 0.1, 1e-3) == 1.0
 
 
 def test_a_factor_with_thousands_of_zero_rows_is_decomposed() -> None:

@@ -63,10 +63,13 @@ def test_inplace_relu_g_factor_is_gradient_of_linear_output() -> None:
     torch.testing.assert_close(precond.layers[0].g.value, delta.T @ delta / 8)
 
 
-def test_module_called_twice_averages_both_calls() -> None:
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_module_called_twice_averages_both_calls(in_backward: bool) -> None:
+    """Built in the backward pass, the factors wait for both calls' output gradients."""
     torch.manual_seed(1)
     shared = nn.Linear(3, 3).double()
-    precond = KFACPreconditioner(shared, factor_dtype="float64", factor_scaling="kfc")
+    precond = KFACPreconditioner(shared, factor_dtype="float64", factor_scaling="kfc",
+                                 factors_in_backward=in_backward)
     x = torch.randn(5, 3, dtype=torch.float64)
     hidden = shared(x)
     shared(torch.tanh(hidden)).pow(2).mean().backward()
