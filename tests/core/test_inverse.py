@@ -232,6 +232,8 @@ def test_cholesky_of_indefinite_factor_raises_decomposition_error(inversion_path
         damped_inverse(indefinite, 0.1, "cholesky", torch.float32)
     with pytest.raises(DecompositionError, match="non-finite"):
         damped_inverse(torch.full((2, 2), float("nan")), 0.1, "inverse", torch.float32)
+    with pytest.raises(DecompositionError, match="eigh failed: the factor has non-finite"):
+        eigen_decompose(torch.full((2, 2), float("nan")), torch.float32)
 
 
 @pytest.mark.parametrize("layout", ["row-major", "column-major"])
