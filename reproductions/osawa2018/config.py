@@ -34,6 +34,8 @@ OPTIMIZERS = ("kfac", "sgd")
 BN_CHOICES = (*BN_FISHER_MODES, "none")
 MAX_SEED = 2**63 - 1
 """The largest seed torch's generators accept (with the rank added)."""
+MAX_EPOCHS = 1e6
+"""More epochs than any run trains (far beyond it ``N·epochs/B`` overflows the update count)."""
 
 _FINITE = {"high": math.inf, "high_inclusive": False}
 
@@ -180,7 +182,8 @@ class OsawaConfig:
                               f"a multiple of micro_batch_size={self.micro_batch_size}")
         check_number("num_workers", self.num_workers, low=0, integer=True)
         check_number("seed", self.seed, low=0, high=MAX_SEED, integer=True)
-        for name in ("epochs", "eval_every_epochs", "damping", "bn_damping_scale"):
+        check_number("epochs", self.epochs, low=0.0, low_inclusive=False, high=MAX_EPOCHS)
+        for name in ("eval_every_epochs", "damping", "bn_damping_scale"):
             check_number(name, getattr(self, name), low=0.0, low_inclusive=False, **_FINITE)
         for name in ("lr", "lr_decay_start_epoch", "lr_power", "weight_decay", "mixup_alpha"):
             check_number(name, getattr(self, name), low=0.0, **_FINITE)
@@ -229,8 +232,8 @@ class OsawaConfig:
         return self.batch_size // per_step
 
     def total_steps(self, dataset_size: int) -> int:
-        """Updates in the run: ``ceil(N · epochs / B)``."""
-        return math.ceil(dataset_size * self.epochs / self.batch_size - 1e-9)
+        """Updates in the run: ``ceil(N · epochs / B)``, at least 1."""
+        return max(1, math.ceil(dataset_size * self.epochs / self.batch_size - 1e-9))
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain JSON-compatible values."""

@@ -122,6 +122,16 @@ def test_osawa_config_builds_a_usable_recipe_or_names_the_field(name: str, value
     build_recipe(config)
 
 
+def test_osawa_epochs_give_at_least_one_update_and_an_overflowing_count_is_refused() -> None:
+    """Found by the fuzz test above: ``epochs=7e-73`` made a run of 0 updates, and
+    ``epochs=3e303`` an OverflowError traceback from ``total_steps``."""
+    assert OsawaConfig(epochs=7e-73).total_steps(60_000) == 1
+    assert OsawaConfig(epochs=2.0, batch_size=256).total_steps(60_000) == 469  # ceil(468.75)
+    with pytest.raises(ConfigError, match="epochs") as err:
+        OsawaConfig(epochs=3e303)
+    assert err.value.field_name == "epochs"
+
+
 def osawa_main(argv: list[str]) -> None:
     """The entry point with training replaced by :func:`build_recipe` of the parsed config."""
     def parsed(config: OsawaConfig, **_: Any) -> None:
