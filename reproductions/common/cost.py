@@ -36,6 +36,7 @@ e.g. a GPU, to the one that builds the tables).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,14 +150,16 @@ class KernelRates:
                 positive; the message names the file and the field.
         """
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-        if data.pop("schema", None) != RATES_SCHEMA:
+        if not isinstance(data, dict) or data.pop("schema", None) != RATES_SCHEMA:
             raise ValueError(f"{path}: field 'schema' must be {RATES_SCHEMA!r}")
         try:
             rates = cls(**data)
         except TypeError as err:
             raise ValueError(f"{path}: {err}") from None
         for name in ("gemm_flops", "decomposition_flops", "forward_backward_s_per_image"):
-            if not float(getattr(rates, name)) > 0:
+            value = getattr(rates, name)
+            if (isinstance(value, bool) or not isinstance(value, int | float)
+                    or not 0 < value < math.inf):
                 raise ValueError(f"{path}: field {name!r} must be a positive number")
         if rates.method not in DECOMPOSITION_FLOPS_PER_N3:
             raise ValueError(f"{path}: field 'method' must be one of "

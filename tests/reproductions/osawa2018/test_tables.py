@@ -270,9 +270,13 @@ def test_tables_cli_prints_o5_with_rates_from_a_file(tmp_path: Path,
                                            str(tmp_path / "other.json"), "--write", "-"])
     assert_clear_error(outcome, stderr, set())
     assert "expected rates for resnet50@224" in stderr
-    (tmp_path / "bad.json").write_text(json.dumps(
-        {**json.loads(rates.read_text()), "gemm_flops": 0}))
-    with pytest.raises(ValueError, match="gemm_flops"):
+    saved = json.loads(rates.read_text())
+    for bad in (0, None, True, "fast", float("inf")):  # null and "fast" raised a TypeError
+        (tmp_path / "bad.json").write_text(json.dumps({**saved, "gemm_flops": bad}))
+        with pytest.raises(ValueError, match="'gemm_flops' must be a positive number"):
+            KernelRates.load(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text(json.dumps([saved]))  # a list raised AttributeError
+    with pytest.raises(ValueError, match="schema"):
         KernelRates.load(tmp_path / "bad.json")
 
 
