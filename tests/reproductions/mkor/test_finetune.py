@@ -267,6 +267,8 @@ def test_glue_files_as_distributed_mrpc_bom_and_qqp_short_rows(tmp_path: Path) -
     ("accuracy", [1, 0, 1], [1, 1, 1], 2 / 3),
     ("f1", [1, 0, 1, 0], [1, 1, 0, 0], 0.5),
     ("mcc", [1, 0, 1, 0], [1, 0, 1, 0], 1.0),
+    ("mcc", [1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0], 1 / 3),  # tp 2, fp 1, fn 1, tn 2
+    ("mcc", [1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0], 0.0),  # tp 1, fp 2, fn 1, tn 2
     ("pearson", [1.0, 2.0, 3.0], [2.0, 4.0, 6.0], 1.0),
 ])
 def test_glue_metrics(metric: str, predictions: list, labels: list, expected: float) -> None:
@@ -373,3 +375,10 @@ def test_a_finished_runs_unreadable_results_file_is_written_again_on_resume(
     with pytest.warns(UserWarning, match="not valid JSON"):
         again = glue.main([*args, "--resume"])
     assert again["steps"] == finished["steps"] and load_results(path)["steps"] == again["steps"]
+
+
+def test_squad_normalisation_drops_every_article_and_a_stride_must_leave_new_context() -> None:
+    assert squad.exact_match_and_f1("an apple", ["apple"]) == (1.0, 1.0)
+    assert squad.exact_match_and_f1("The apple", ["a apple"]) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="stride"):
+        squad.check_doc_stride(125, 128)  # 125 context tokens per window: none new

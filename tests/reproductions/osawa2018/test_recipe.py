@@ -172,3 +172,13 @@ def test_a_mixup_alpha_below_what_the_sampler_supports_is_refused(alpha: float) 
     with pytest.raises(ConfigError, match=r"mixup_alpha.*0 \(no mixup\) or at least 0.01"):
         load_config("fmnist_default", {"mixup_alpha": alpha})
     assert load_config("fmnist_default", {"mixup_alpha": 0}).mixup_alpha == 0
+
+
+def test_polynomial_decay_edges_that_the_config_accepts() -> None:
+    """``p = 0``: constant until ``e_end`` and 0 from it; ``lr = 0`` and ``e_start = 0`` are
+    valid schedules, as :class:`OsawaConfig` accepts them; the first update is at epoch 0."""
+    flat = PolynomialDecay(0.1, 1, 5, 0)
+    assert flat(4.99) == pytest.approx(0.1) and flat(5.0) == 0.0
+    assert PolynomialDecay(0.0, 1, 5, 2)(0.5) == 0.0
+    assert PolynomialDecay(0.1, 0, 5, 2)(0.0) == pytest.approx(0.1)
+    assert epoch_at(0, 256, 60_000) == 0.0 and epoch_at(3, 256, 60_000) == 3 * 256 / 60_000
