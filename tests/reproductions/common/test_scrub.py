@@ -8,7 +8,7 @@ from reproductions.common.scrub import REDACTED, is_secret_name, scrub_argv, scr
 
 
 @pytest.mark.parametrize("name", ["WANDB_API_KEY", "hf_token", "apiKey", "secret", "db-password",
-                                  "key", "aws.secret.access"])
+                                  "key", "aws.secret.access", "s3Key", "oauth2Token"])
 def test_secret_names(name: str) -> None:
     assert is_secret_name(name)
 
@@ -41,3 +41,15 @@ def test_command_lines_are_scrubbed_by_value_and_by_option_name() -> None:
     assert scrub_argv(argv, environ=env) == [
         "train.py", "--set", "lr=0.1", f"api_key={REDACTED}", f"source=see {REDACTED}",
         "--hf-token", REDACTED, f"--wandb-key={REDACTED}", "--tokenizer", "wordpiece"]
+
+
+def test_an_eight_character_secret_and_one_inside_a_longer_one_are_redacted_whole() -> None:
+    """The longer secret is replaced first, so no tail of it is left beside a shorter one."""
+    env = {"MY_TOKEN": "abcdefgh", "HF_TOKEN": "abcdefgh-and-more", "PATH": "/bin"}
+    assert scrub_secrets({"log": "using abcdefgh-and-more and abcdefgh"}, environ=env) == {
+        "log": f"using {REDACTED} and {REDACTED}"}
+
+
+def test_a_secret_looking_word_that_is_not_an_option_does_not_redact_the_next_one() -> None:
+    assert scrub_argv(["train.py", "--set", "key", "--lr", "0.1"], environ={}) == [
+        "train.py", "--set", "key", "--lr", "0.1"]
