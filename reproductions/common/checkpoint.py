@@ -173,7 +173,8 @@ def save_checkpoint(directory: Path, step: int, state: dict, keep: int = 2) -> P
         raise
     _fsync_directory(directory)
     for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+        if old != final:  # below newer ones (left by another run): never the one just written
+            old.unlink(missing_ok=True)
     return final
 
 

@@ -42,6 +42,16 @@ def test_save_is_atomic_and_keeps_the_newest(tmp_path: Path) -> None:
     assert loaded["nested"] == {"lr": [0.1, 0.2]} and loaded["tuple"] == (1, "a")
 
 
+def test_a_save_below_newer_checkpoints_keeps_the_file_it_wrote(tmp_path: Path) -> None:
+    """Pruning by step deleted the checkpoint just written (and returned its path) when
+    another run had left newer ones; now only the older ones go."""
+    for step in (1, 10):
+        save_checkpoint(tmp_path, step, state(step), keep=1)
+    path = save_checkpoint(tmp_path, 7, state(7), keep=1)
+    assert path.exists() and path == checkpoint_path(tmp_path, 7)
+    assert list_checkpoints(tmp_path) == [checkpoint_path(tmp_path, s) for s in (7, 10)]
+
+
 def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_checkpoint(tmp_path, 1, state(1))
 
