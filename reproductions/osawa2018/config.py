@@ -20,6 +20,7 @@ from typing import Any
 from core.batchnorm import BN_FISHER_MODES
 from core.config import (
     ASSIGNMENT_POLICIES,
+    PRECONDITION_DTYPES,
     STRATEGIES,
     ConfigError,
     check_choice,
@@ -175,6 +176,11 @@ class OsawaConfig:
         check_choice("bn_fisher", self.bn_fisher, BN_CHOICES)
         check_choice("strategy", self.strategy, STRATEGIES)
         check_choice("assignment", self.assignment, ASSIGNMENT_POLICIES)
+        if self.precondition_dtype is not None:  # checked here, before any data is read
+            check_choice("precondition_dtype", self.precondition_dtype, PRECONDITION_DTYPES)
+        if self.precondition_dtype_tolerance is not None:
+            check_number("precondition_dtype_tolerance", self.precondition_dtype_tolerance,
+                         low=0.0)
         for name in ("width", "image_size", "batch_size", "micro_batch_size", "eval_batch_size"):
             check_number(name, getattr(self, name), low=1, integer=True)
         if self.batch_size % self.micro_batch_size:

@@ -132,6 +132,17 @@ def test_osawa_epochs_give_at_least_one_update_and_an_overflowing_count_is_refus
     assert err.value.field_name == "epochs"
 
 
+
+@pytest.mark.parametrize(("field", "value"), [("precondition_dtype", "float8"),
+                                              ("precondition_dtype_tolerance", -0.1)])
+def test_osawa_precision_options_are_checked_with_the_config(field: str, value: object) -> None:
+    """They were checked only when K-FAC was built, after the data had loaded (and never
+    with ``optimizer="sgd"``)."""
+    with pytest.raises(ConfigError) as err:
+        OsawaConfig(optimizer="sgd", **{field: value})  # type: ignore[arg-type]
+    assert err.value.field_name == field
+
+
 def osawa_main(argv: list[str]) -> None:
     """The entry point with training replaced by :func:`build_recipe` of the parsed config."""
     def parsed(config: OsawaConfig, **_: Any) -> None:
