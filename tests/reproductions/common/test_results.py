@@ -71,6 +71,11 @@ def test_truncated_file(tmp_path: Path) -> None:
     (lambda d: d["optimizer_stage_time_s"].update(precondition=math.nan),
      "optimizer_stage_time_s.precondition' must be a finite number"),
     (lambda d: d["hardware"].update(threads=True), "field 'hardware.threads' must be a int"),
+    (lambda d: d["steps"][0].pop("loss"), r"field 'steps\[0\]' lacks 'loss'"),
+    (lambda d: d["steps"][0].update(time_s=-1.0), r"steps\[0\].time_s' must be a finite .* >= 0"),
+    (lambda d: d.update(paper=""), "field 'paper' must be a non-empty string"),
+    (lambda d: d.pop("wandb"), "field 'wandb' is missing"),
+    (lambda d: d["hardware"].pop("cuda"), "field 'hardware.cuda' must be the GPU's name"),
 ])
 def test_invalid_fields_are_named(tmp_path: Path, change, message: str) -> None:
     data = json.loads(recorder().write(tmp_path / "run.json").read_text())
