@@ -36,12 +36,12 @@ e.g. a GPU, to the one that builds the tables).
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+from core.config import ConfigError, check_number
 from core.distributed import SimulationReport
 from data.atomic import atomic_path
 from reproductions.common.shapes import LayerShape
@@ -157,10 +157,10 @@ class KernelRates:
         except TypeError as err:
             raise ValueError(f"{path}: {err}") from None
         for name in ("gemm_flops", "decomposition_flops", "forward_backward_s_per_image"):
-            value = getattr(rates, name)
-            if (isinstance(value, bool) or not isinstance(value, int | float)
-                    or not 0 < value < math.inf):
-                raise ValueError(f"{path}: field {name!r} must be a positive number")
+            try:
+                check_number(name, getattr(rates, name), low=0.0, low_inclusive=False)
+            except ConfigError:
+                raise ValueError(f"{path}: field {name!r} must be a positive number") from None
         if rates.method not in DECOMPOSITION_FLOPS_PER_N3:
             raise ValueError(f"{path}: field 'method' must be one of "
                              f"{', '.join(DECOMPOSITION_FLOPS_PER_N3)}")
